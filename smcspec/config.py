@@ -1,0 +1,119 @@
+"""User settings as frozen dataclasses. Each validates itself and names the bad field."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+Method = Literal["ar", "sd", "smc"]
+METHODS: tuple[str, ...] = ("ar", "sd", "smc")
+RESAMPLING_SCHEMES: tuple[str, ...] = ("systematic", "multinomial", "stratified", "residual")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """What distribution to sample: the target's next-token law after temperature, top-k, top-p.
+
+    temperature 0 means greedy. top_k 0 and top_p 1 disable truncation. draft_temperature None
+    means "same as temperature"; it only changes the proposal, never the target law.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 128
+    stop_at_eos: bool = True
+    seed: int | None = None
+    draft_temperature: float | None = None
+
+    def __post_init__(self) -> None:
+        _require(
+            isinstance(self.temperature, int | float)
+            and math.isfinite(self.temperature)
+            and self.temperature >= 0,
+            f"temperature must be a finite number >= 0, got {self.temperature!r}",
+        )
+        if self.draft_temperature is not None:
+            _require(
+                isinstance(self.draft_temperature, int | float)
+                and math.isfinite(self.draft_temperature)
+                and self.draft_temperature >= 0,
+                f"draft_temperature must be a finite number >= 0, got {self.draft_temperature!r}",
+            )
+        _require(
+            _is_int(self.top_k) and self.top_k >= 0,
+            f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}",
+        )
+        _require(
+            isinstance(self.top_p, int | float) and 0 < self.top_p <= 1,
+            f"top_p must be in (0, 1], got {self.top_p!r}",
+        )
+        _require(
+            _is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
+            f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}",
+        )
+        _require(
+            self.seed is None or (_is_int(self.seed) and self.seed >= 0),
+            f"seed must be a non-negative integer, got {self.seed!r}",
+        )
+
+    @property
+    def proposal_temperature(self) -> float:
+        """Temperature of the draft's proposal distribution q."""
+        return self.temperature if self.draft_temperature is None else self.draft_temperature
+
+
+@dataclass(frozen=True)
+class SDConfig:
+    """Speculative decoding: K draft tokens per round, verified by rejection sampling."""
+
+    draft_tokens: int = 4
+
+    def __post_init__(self) -> None:
+        _require(
+            _is_int(self.draft_tokens) and self.draft_tokens >= 1,
+            f"draft_tokens (K) must be an integer >= 1, got {self.draft_tokens!r}",
+        )
+
+
+@dataclass(frozen=True)
+class SMCConfig:
+    """SMC speculative decoding: N particles, K draft tokens per round, ESS-triggered resampling."""
+
+    particles: int = 8
+    draft_tokens: int = 4
+    resample_threshold: float = 0.5
+    resampling: str = "systematic"
+
+    def __post_init__(self) -> None:
+        _require(
+            _is_int(self.particles) and self.particles >= 1,
+            f"particles (N) must be an integer >= 1, got {self.particles!r}",
+        )
+        _require(
+            _is_int(self.draft_tokens) and self.draft_tokens >= 1,
+            f"draft_tokens (K) must be an integer >= 1, got {self.draft_tokens!r}",
+        )
+        _require(
+            isinstance(self.resample_threshold, int | float) and 0 <= self.resample_threshold <= 1,
+            f"resample_threshold must be in [0, 1], got {self.resample_threshold!r}",
+        )
+        _require(
+            self.resampling in RESAMPLING_SCHEMES,
+            f"resampling must be one of {', '.join(RESAMPLING_SCHEMES)}, got {self.resampling!r}",
+        )
+
+
+def check_method(method: str) -> str:
+    _require(method in METHODS, f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    return method

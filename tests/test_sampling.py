@@ -1,0 +1,69 @@
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from smcspec import sampling
+from tests.stats import ALPHA, chi_square_pvalue
+
+LOGITS = torch.tensor([2.0, 1.0, 0.0, -1.0])
+
+
+def probs(logp: torch.Tensor) -> list[float]:
+    return [round(float(v), 6) for v in logp.exp()]
+
+
+def test_temperature_scales_logits():
+    got = sampling.log_probs(LOGITS, temperature=2.0)
+    want = torch.log_softmax(LOGITS / 2.0, dim=-1)
+    torch.testing.assert_close(got, want)
+
+
+def test_greedy_puts_all_mass_on_argmax():
+    assert probs(sampling.log_probs(LOGITS, temperature=0.0)) == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_top_k_keeps_k_tokens_renormalized():
+    p = sampling.log_probs(LOGITS, 1.0, top_k=2).exp()
+    e = math.e
+    assert p[2] == 0 and p[3] == 0
+    assert float(p[0]) == pytest.approx(e / (e + 1))
+
+
+def test_top_p_keeps_the_token_that_crosses_the_threshold():
+    base = torch.softmax(LOGITS, -1)  # 0.644, 0.237, 0.087, 0.032
+    p = sampling.log_probs(LOGITS, 1.0, top_p=0.7).exp()
+    assert p[2] == 0 and p[3] == 0  # 0.644 < 0.7, so token 1 is needed; 0.881 >= 0.7 stops
+    assert float(p[0]) == pytest.approx(float(base[0] / (base[0] + base[1])))
+    only_first = sampling.log_probs(LOGITS, 1.0, top_p=0.5)
+    assert probs(only_first) == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_top_k_then_top_p_on_renormalized_mass():
+    # after top-k=3 the masses are 0.665, 0.245, 0.090: 0.91 is already >= 0.9, not >= 0.92
+    two = sampling.log_probs(LOGITS, 1.0, top_k=3, top_p=0.9).exp()
+    assert (two[:2] > 0).all() and two[2] == 0 and two[3] == 0
+    three = sampling.log_probs(LOGITS, 1.0, top_k=3, top_p=0.92).exp()
+    assert (three[:3] > 0).all() and three[3] == 0
+
+
+def test_sample_matches_the_law():
+    logp = sampling.log_probs(LOGITS, 1.0)
+    g = torch.Generator().manual_seed(0)
+    draws = sampling.sample(logp.expand(20000, -1), g)
+    law = {i: float(v) for i, v in enumerate(logp.exp())}
+    assert chi_square_pvalue(Counter(draws.tolist()), law) > ALPHA
+
+
+def test_sample_never_picks_masked_tokens():
+    logp = sampling.log_probs(LOGITS, 1.0, top_k=1)
+    g = torch.Generator().manual_seed(1)
+    assert set(sampling.sample(logp.expand(1000, -1), g).tolist()) == {0}
+
+
+def test_power_check_rejects_a_wrong_law():
+    g = torch.Generator().manual_seed(0)
+    draws = sampling.sample(sampling.log_probs(LOGITS, 1.3).expand(20000, -1), g)
+    law = {i: float(v) for i, v in enumerate(sampling.log_probs(LOGITS, 1.0).exp())}
+    assert chi_square_pvalue(Counter(draws.tolist()), law) < ALPHA

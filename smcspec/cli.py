@@ -99,8 +99,8 @@ def summary(method: str, d: dict) -> str:
         f"[{method}] {d['new_tokens']} tokens in {d['seconds']:.2f} s"
         f" = {d['tokens_per_second']:.2f} tok/s",
         f"rounds {d['rounds']}",
-        "time draft/verify/resample/other "
-        + "/".join(f"{split[k]:.2f}" for k in ("draft", "verify", "resample", "other"))
+        "time prefill/draft/verify/resample/other "
+        + "/".join(f"{split[k]:.2f}" for k in ("prefill", "draft", "verify", "resample", "other"))
         + " s",
     ]
     if method == "sd":

@@ -53,14 +53,15 @@ class LLM:
     ) -> None:
         from smcspec.models import defaults, hf
 
-        target_spec = (
-            str(defaults.ensure(defaults.DEFAULT_TARGET, cache_dir)) if target is None else target
-        )
-        draft_spec = (
-            str(defaults.ensure(defaults.DEFAULT_DRAFT, cache_dir)) if draft is None else draft
-        )
-        target_model, target_tok = hf.load(target_spec, dtype, device)
-        draft_model, draft_tok = hf.load(draft_spec, dtype, device)
+        for role, spec in (("target", target), ("draft", draft)):
+            if spec is not None:
+                hf.check_spec(spec, role)
+        if target is None:
+            target = str(defaults.ensure(defaults.DEFAULT_TARGET, cache_dir))
+        target_model, target_tok = hf.load(target, dtype, device)
+        if draft is None:
+            draft = str(defaults.ensure(defaults.DEFAULT_DRAFT, cache_dir))
+        draft_model, draft_tok = hf.load(draft, dtype, device)
         check_same_tokenizer(target_tok, draft_tok)
         self._setup(target_model, draft_model, target_tok)
 

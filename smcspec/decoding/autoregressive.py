@@ -20,7 +20,8 @@ class AutoregressiveDecoder:
         check_prompt(prompt, self.target)
         clock = StageClock()
         seq = torch.tensor([prompt], dtype=torch.long)  # [1, L]
-        cache = start_cache(self.target, seq[0], rows=1)
+        with clock.stage("prefill"):
+            cache = start_cache(self.target, seq[0], rows=1)
         new: list[int] = []
         while len(new) < sampling_cfg.max_new_tokens:
             with clock.stage("verify"):

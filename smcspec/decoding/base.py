@@ -13,7 +13,7 @@ import torch
 from smcspec.config import SamplingConfig
 from smcspec.models.base import CausalLM, KVCache
 
-STAGES = ("draft", "verify", "resample", "other")
+STAGES = ("prefill", "draft", "verify", "resample", "other")
 
 
 @dataclass

@@ -83,7 +83,8 @@ class SMCDecoder:
         n = self.config.particles
         prompt_t = torch.tensor(prompt, dtype=torch.long)
         pop = Population.start(n, sampling_cfg.max_new_tokens)
-        caches = (start_cache(self.target, prompt_t, n), start_cache(self.draft, prompt_t, n))
+        with clock.stage("prefill"):
+            caches = (start_cache(self.target, prompt_t, n), start_cache(self.draft, prompt_t, n))
         rounds = 0
         while pop.live.numel() > 0 and pop.generated < sampling_cfg.max_new_tokens:
             self._round(pop, prompt_t, caches, sampling_cfg, generator, clock)

@@ -36,8 +36,9 @@ class SpeculativeDecoder:
         clock = StageClock()
         s = sampling_cfg
         seq = torch.tensor([prompt], dtype=torch.long)  # [1, L]
-        t_cache = start_cache(self.target, seq[0], rows=1)
-        d_cache = start_cache(self.draft, seq[0], rows=1)
+        with clock.stage("prefill"):
+            t_cache = start_cache(self.target, seq[0], rows=1)
+            d_cache = start_cache(self.draft, seq[0], rows=1)
         new: list[int] = []
         rounds = proposed = accepted_total = 0
         done = False

@@ -6,6 +6,7 @@ dimension and rollback crops the sequence dimension.
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import torch
@@ -51,6 +52,9 @@ class HFCausalLM:
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.eos_token_ids = frozenset(eos_token_ids)
         self.device = next(model.parameters()).device
+        # transformers renamed `past_key_values` to `cache` in 5.x; accept either release.
+        params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
 
     def new_cache(self) -> HFCache:
         return HFCache()
@@ -61,9 +65,9 @@ class HFCausalLM:
             cache.select(torch.zeros(tokens.shape[0], dtype=torch.long))
         out = self.model(
             input_ids=tokens.to(self.device),
-            past_key_values=cache.kv,
             use_cache=True,
             logits_to_keep=num_logits,
+            **{self._cache_kwarg: cache.kv},
         )
         cache.advance(tokens.shape[1])
         return out.logits[:, -num_logits:].float().cpu()
@@ -71,6 +75,19 @@ class HFCausalLM:
 
 def _looks_like_path(spec: str) -> bool:
     return spec.endswith(".gguf") or spec.startswith((".", "/", "~")) or Path(spec).exists()
+
+
+def check_spec(spec: str, role: str = "model") -> None:
+    """Fail fast, before any loading, on a local path that cannot be a model."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"{role}: give a hub id, a folder or a .gguf file, got {spec!r}")
+    if not _looks_like_path(spec):
+        return
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise ValueError(f"{role}: model path does not exist: {spec}")
+    if path.is_file() and path.suffix != ".gguf":
+        raise ValueError(f"{role}: a model file must be .gguf, got {spec}")
 
 
 def load(spec: str, dtype: str = "float32", device: str = "cpu") -> tuple[HFCausalLM, object]:
@@ -82,18 +99,14 @@ def load(spec: str, dtype: str = "float32", device: str = "cpu") -> tuple[HFCaus
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    check_spec(spec)
     kwargs: dict = {}
     source = spec
     if _looks_like_path(spec):
         path = Path(spec).expanduser()
-        if not path.exists():
-            raise ValueError(f"model path does not exist: {spec}")
+        source = str(path)
         if path.is_file():
-            if path.suffix != ".gguf":
-                raise ValueError(f"a model file must be .gguf, got {spec}")
             source, kwargs["gguf_file"] = str(path.parent), path.name
-        else:
-            source = str(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype], **kwargs)

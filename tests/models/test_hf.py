@@ -1,0 +1,85 @@
+import pytest
+import torch
+
+from smcspec.config import SamplingConfig, SDConfig, SMCConfig
+from smcspec.decoding import AutoregressiveDecoder, SMCDecoder, SpeculativeDecoder
+from smcspec.models import hf
+
+
+def full_logits(model: hf.HFCausalLM, seqs: torch.Tensor) -> torch.Tensor:
+    """Reference: next-token logits at the last position, recomputed from scratch.  [B, V]"""
+    return model.forward(seqs, model.new_cache(), 1)[:, -1]
+
+
+def test_cached_forward_matches_recomputation_after_select_and_crop(tiny_folder):
+    model, _ = hf.load(str(tiny_folder))
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, 64, (1, 5), generator=g)
+    cache = model.new_cache()
+    model.forward(prompt, cache, 1)
+    cache.select(torch.tensor([0, 0, 0]))  # fork into three particles
+    seqs = prompt.expand(3, -1)
+    for _ in range(3):
+        new = torch.randint(3, 64, (3, 2), generator=g)
+        model.forward(new, cache, 1)
+        seqs = torch.cat([seqs, new], dim=1)
+        rows = torch.tensor([2, 0, 2])  # resampling: duplicate row 2, drop row 1
+        cache.select(rows)
+        seqs = seqs[rows]
+        cache.crop(seqs.shape[1] - 1)  # speculative rollback of one token
+        step = seqs[:, -1:]
+        got = model.forward(step, cache, 1)[:, -1]
+        torch.testing.assert_close(got, full_logits(model, seqs), rtol=1e-4, atol=1e-4)
+        assert cache.length == seqs.shape[1]
+
+
+def test_decoders_run_on_a_transformers_model(tiny_folder, tiny_draft_folder):
+    target, _ = hf.load(str(tiny_folder))
+    draft, _ = hf.load(str(tiny_draft_folder))
+    assert target.vocab_size == 64 and target.eos_token_ids == frozenset({1})
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=7, stop_at_eos=False)
+    prompt = [4, 5, 6]
+    for dec in (
+        AutoregressiveDecoder(target),
+        SpeculativeDecoder(target, draft, SDConfig(3)),
+        SMCDecoder(target, draft, SMCConfig(4, 2)),
+    ):
+        out = dec.decode(prompt, cfg, torch.Generator().manual_seed(0))
+        assert len(out.tokens) == 7 and all(0 <= t < 64 for t in out.tokens)
+
+
+def test_greedy_sd_and_smc_with_identical_draft_match_ar(tiny_folder):
+    target, _ = hf.load(str(tiny_folder))
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=9, stop_at_eos=False)
+    prompt = [5, 6, 7]
+    g = torch.Generator().manual_seed(0)
+    ar = AutoregressiveDecoder(target).decode(prompt, cfg, g).tokens
+    assert SpeculativeDecoder(target, target, SDConfig(4)).decode(prompt, cfg, g).tokens == ar
+    assert SMCDecoder(target, target, SMCConfig(3, 2)).decode(prompt, cfg, g).tokens == ar
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("/no/such/model.gguf", "does not exist"),
+        ("./missing-folder", "does not exist"),
+        ("", "give a hub id"),
+    ],
+)
+def test_bad_model_specs_name_the_problem(spec, message):
+    with pytest.raises(ValueError, match=message):
+        hf.load(spec)
+
+
+def test_a_file_that_is_not_gguf_is_refused(tmp_path):
+    bad = tmp_path / "weights.bin"
+    bad.write_bytes(b"0")
+    with pytest.raises(ValueError, match=r"must be \.gguf"):
+        hf.load(str(bad))
+
+
+def test_unreachable_hub_id_is_a_value_error(monkeypatch):
+    # No network here or in CI; offline mode makes the hub refuse at once instead of retrying.
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    with pytest.raises(ValueError, match="cannot load model"):
+        hf.load("no-such-org/no-such-model-xyz")

@@ -25,11 +25,20 @@ def main() -> None:
     rows: dict[int, list[dict]] = {i: [] for i in range(len(CONFIGS))}
     for seed in range(reps):
         for i, (method, kw) in enumerate(CONFIGS):
-            out = llm.generate(PROMPT, method, temperature=0.7, max_new_tokens=64,
-                               stop_at_eos=False, seed=seed, **kw)
+            out = llm.generate(
+                PROMPT,
+                method,
+                temperature=0.7,
+                max_new_tokens=64,
+                stop_at_eos=False,
+                seed=seed,
+                **kw,
+            )
             rows[i].append(out.diagnostics)
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, fp32, 64 new tokens, "
-          f"T=0.7, {reps} seeds")
+    print(
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}, fp32, 64 new tokens, "
+        f"T=0.7, {reps} seeds"
+    )
     base = statistics.median(d["tokens_per_second"] for d in rows[0])
     for i, (method, kw) in enumerate(CONFIGS):
         tps = [d["tokens_per_second"] for d in rows[i]]
@@ -40,8 +49,10 @@ def main() -> None:
             ess = [e for d in rows[i] for e in d["ess"]]
             res = sum(d["resamples"] for d in rows[i]) / sum(d["rounds"] for d in rows[i])
             extra = f"mean ESS {statistics.mean(ess):.2f}, resample rate {res:.2f}"
-        print(f"| {method} {kw} | {statistics.median(tps):.2f} | {min(tps):.2f}-{max(tps):.2f} | "
-              f"{statistics.median(tps) / base:.2f}x | {extra} |")
+        print(
+            f"| {method} {kw} | {statistics.median(tps):.2f} | {min(tps):.2f}-{max(tps):.2f} | "
+            f"{statistics.median(tps) / base:.2f}x | {extra} |"
+        )
 
 
 if __name__ == "__main__":

@@ -63,9 +63,10 @@ class SpeculativeDecoder:
         stats = {
             "proposed_tokens": proposed,
             "accepted_tokens": accepted_total,
-            "acceptance_rate": accepted_total / proposed if proposed else float("nan"),
-            "mean_accepted_length": accepted_total / rounds if rounds else float("nan"),
-            "tokens_per_round": len(new) / rounds if rounds else float("nan"),
+            # None, not NaN, when nothing was drafted (max_new_tokens = 1): JSON has no NaN.
+            "acceptance_rate": accepted_total / proposed if proposed else None,
+            "mean_accepted_length": accepted_total / rounds if rounds else None,
+            "tokens_per_round": len(new) / rounds if rounds else None,
         }
         return DecodeResult(new, rounds, seconds, split, stats)
 

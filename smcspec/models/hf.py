@@ -61,8 +61,7 @@ class HFCausalLM:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: HFCache, num_logits: int) -> torch.Tensor:
-        if tokens.shape[0] != cache.batch_size:
-            cache.select(torch.zeros(tokens.shape[0], dtype=torch.long))
+        assert tokens.shape[0] == cache.batch_size, "one row of tokens per cache row"
         out = self.model(
             input_ids=tokens.to(self.device),
             use_cache=True,

@@ -40,7 +40,7 @@ class CausalLM(Protocol):
     eos_token_ids: frozenset[int]
 
     def new_cache(self) -> KVCache:
-        """An empty cache with one row."""
+        """An empty cache; it takes the batch size of its first forward."""
         ...
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, num_logits: int) -> torch.Tensor:

@@ -61,6 +61,8 @@ class HFCausalLM:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: HFCache, num_logits: int) -> torch.Tensor:
+        if cache.length == 0:  # an empty cache takes the batch size of its first forward
+            cache.select(torch.zeros(tokens.shape[0], dtype=torch.long))
         assert tokens.shape[0] == cache.batch_size, "one row of tokens per cache row"
         out = self.model(
             input_ids=tokens.to(self.device),

@@ -60,6 +60,8 @@ class ToyLM:
 
     def forward(self, tokens: torch.Tensor, cache: ToyCache, num_logits: int) -> torch.Tensor:
         self.batch_sizes.append(tokens.shape[0])
+        if cache.length == 0:  # an empty cache takes the batch size of its first forward
+            cache.rows = [()] * tokens.shape[0]
         out = []
         new_rows = []
         for row, new in zip(cache.rows, tokens.tolist(), strict=True):

@@ -45,7 +45,59 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_bench(sub)
     return parser
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None, help="hub id, folder or .gguf (default: built-in)")
+    p.add_argument("--draft", default=None, help="hub id, folder or .gguf (default: built-in)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--cache-dir", default=None, help="model cache (default $SMCSPEC_CACHE or ~/.cache/smcspec)"
+    )
+
+
+def _add_grid_options(p: argparse.ArgumentParser, methods: list[str], smc_n: str) -> None:
+    p.add_argument("--methods", nargs="+", default=methods, help="ar sd smc hf hf-assisted")
+    p.add_argument("--sd-k", default="2,4", help="K grid for sd (first also for hf-assisted)")
+    p.add_argument("--smc-n", default=smc_n, help="N grid for smc")
+    p.add_argument("--smc-k", default="2,4", help="K grid for smc")
+    p.add_argument("--resample-threshold", type=float, default=0.5)
+    p.add_argument("--out", default="bench-results", help="folder for .jsonl, .md and .png files")
+    p.add_argument("--seed", type=int, default=0)
+    _add_model_options(p)
+
+
+def _add_bench(sub) -> None:
+    bench = sub.add_parser("bench", help="speed, roofline and accuracy benchmarks")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    speed = bsub.add_parser("speed", help="tokens/s of every method, interleaved, side by side")
+    _add_grid_options(speed, ["ar", "sd", "smc", "hf", "hf-assisted"], "2,4,8")
+    speed.add_argument(
+        "--temperatures", default="0.7", help="comma-separated, e.g. 0.3,0.7,1.0,1.3"
+    )
+    speed.add_argument("--prompts", type=int, default=5, help="first P HumanEval prompts")
+    speed.add_argument("--max-new-tokens", type=int, default=64)
+    speed.add_argument("--natural-stop", action="store_true", help="stop at EOS (default: ignore)")
+    speed.add_argument("--reps", type=int, default=1)
+    roof = bsub.add_parser("roofline", help="predicted vs measured SMC speed-up per (N, K)")
+    _add_grid_options(roof, ["smc"], "1,2,4,8")
+    roof.add_argument("--speed-results", default=None, help="a speed.jsonl to take measured S from")
+    roof.add_argument("--temperature", type=float, default=0.7)
+    roof.add_argument("--context", type=int, default=150, help="cache length for the timings")
+    roof.add_argument("--timing-reps", type=int, default=3)
+    acc = bsub.add_parser("accuracy", help="HumanEval pass@1 with 95% CI, and speed")
+    _add_grid_options(acc, ["ar", "sd", "smc"], "4")
+    acc.add_argument("--temperature", type=float, default=0.7)
+    acc.add_argument("--offset", type=int, default=0)
+    acc.add_argument("--limit", type=int, default=20)
+    acc.add_argument("--max-new-tokens", type=int, default=384)
+    acc.add_argument("--timeout", type=float, default=10.0, help="seconds per program")
+    rep = bsub.add_parser("report", help="tables and plots from result files")
+    rep.add_argument("--out", default="bench-results")
+    rep.add_argument("--accuracy-files", nargs="*", default=[], help="more accuracy.jsonl files")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -124,6 +176,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "bench":
+            from smcspec.bench.cli import run_bench
+
+            return run_bench(args)
     except ValueError as err:
         print(f"smcspec: error: {err}", file=sys.stderr)
         return 2

@@ -64,12 +64,14 @@ class LLM:
         draft_model, draft_tok = hf.load(draft, dtype, device)
         check_same_tokenizer(target_tok, draft_tok)
         self._setup(target_model, draft_model, target_tok)
+        self.names = (_name(target, "target"), _name(draft, "draft"))
 
     @classmethod
     def from_models(cls, target: CausalLM, draft: CausalLM, tokenizer: Any = None) -> LLM:
         """Wrap already-built models. Without a tokenizer, prompts must be token-id lists."""
         llm = cls.__new__(cls)
         llm._setup(target, draft, tokenizer)
+        llm.names = (type(target).__name__, type(draft).__name__)
         return llm
 
     def _setup(self, target: CausalLM, draft: CausalLM, tokenizer: Any) -> None:
@@ -164,6 +166,17 @@ class LLM:
         return GenerationResult(
             self.decode_text(result.tokens), result.tokens, method, diagnostics, texts
         )
+
+
+def _name(spec: str, role: str) -> str:
+    from pathlib import Path
+
+    from smcspec.models import defaults
+
+    for shipped in defaults.SHIPPED.values():
+        if Path(spec).name == shipped.name:
+            return shipped.description.split(" (")[0]
+    return spec
 
 
 def check_same_tokenizer(target_tok: Any, draft_tok: Any) -> None:

@@ -1,0 +1,129 @@
+"""`smcspec bench ...`: validate everything, then load models, then run."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from smcspec.bench.contenders import build_grid, parse_ints
+
+
+def _floats(text: str, name: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError as err:
+        raise ValueError(f"{name} must be a comma-separated list of numbers, got {text!r}") from err
+    if not values:
+        raise ValueError(f"{name} is empty")
+    return values
+
+
+def _grid(args: argparse.Namespace):
+    return build_grid(
+        args.methods,
+        parse_ints(args.sd_k, "--sd-k"),
+        parse_ints(args.smc_n, "--smc-n"),
+        parse_ints(args.smc_k, "--smc-k"),
+        args.resample_threshold,
+    )
+
+
+def _llm(args: argparse.Namespace):
+    from smcspec.engine import LLM
+
+    return LLM(
+        args.target, args.draft, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir
+    )
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    cmd = args.bench_command
+    if cmd == "report":
+        return _report(args)
+    contenders = _grid(args)
+    if cmd == "speed":
+        from smcspec.bench.speed import SpeedPlan, run_speed
+
+        plan = SpeedPlan(
+            contenders,
+            _floats(args.temperatures, "--temperatures"),
+            args.prompts,
+            args.max_new_tokens,
+            args.natural_stop,
+            args.reps,
+            args.seed,
+        )
+        run_speed(_llm(args), plan, args.out, args.dtype)
+        print((Path(args.out) / "speed.md").read_text())
+        return 0
+    if cmd == "accuracy":
+        from smcspec.bench.accuracy import AccuracyPlan, run_accuracy
+
+        plan = AccuracyPlan(
+            contenders,
+            args.temperature,
+            args.offset,
+            args.limit,
+            args.max_new_tokens,
+            args.timeout,
+            args.seed,
+        )
+        run_accuracy(_llm(args), plan, args.out, args.dtype)
+        print((Path(args.out) / "accuracy.md").read_text())
+        return 0
+    return _roofline(args, contenders)
+
+
+def _roofline(args: argparse.Namespace, contenders) -> int:
+    from smcspec.bench.roofline import run_roofline
+    from smcspec.bench.speed import SpeedPlan, prompt_ids, run_speed
+
+    grid = [
+        (c.settings["particles"], c.settings["draft_tokens"])
+        for c in contenders
+        if c.method == "smc"
+    ]
+    if not grid:
+        raise ValueError("roofline needs smc in --methods")
+    if args.context < 2:
+        raise ValueError(f"--context must be >= 2, got {args.context}")
+    if args.speed_results and not Path(args.speed_results).exists():
+        raise ValueError(f"--speed-results: no such file: {args.speed_results}")
+    llm = _llm(args)
+    speed_file = args.speed_results
+    if speed_file is None:  # measure end-to-end speed-ups here: 2 prompts, 32 tokens
+        sub_out = Path(args.out) / "roofline-speed"
+        ar = build_grid(["ar"], [2], [1], [1])
+        plan = SpeedPlan(ar + contenders, [args.temperature], 2, 32, False, 1, args.seed)
+        run_speed(llm, plan, sub_out, args.dtype)
+        speed_file = str(sub_out / "speed.jsonl")
+    ids = prompt_ids(llm, 1)[0]
+    context = (ids * (args.context // len(ids) + 1))[: args.context]
+    print(
+        run_roofline(
+            llm, grid, context, args.out, args.timing_reps, speed_file, args.temperature, args.dtype
+        )
+    )
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from smcspec.bench.accuracy import write_accuracy_report
+    from smcspec.bench.speed import write_speed_report
+
+    out = Path(args.out)
+    done = False
+    if (out / "speed.jsonl").exists():
+        write_speed_report(out)
+        print((out / "speed.md").read_text())
+        done = True
+    if (out / "accuracy.jsonl").exists() or args.accuracy_files:
+        for f in args.accuracy_files:
+            if not Path(f).exists():
+                raise ValueError(f"--accuracy-files: no such file: {f}")
+        write_accuracy_report(out, args.accuracy_files)
+        print((out / "accuracy.md").read_text())
+        done = True
+    if not done:
+        raise ValueError(f"no speed.jsonl or accuracy.jsonl in {out}")
+    return 0

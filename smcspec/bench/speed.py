@@ -1,0 +1,122 @@
+"""`smcspec bench speed`: every selected method in one process, on the same models, prompts and
+machine, interleaved (prompt by prompt, the method order rotating each repetition) so that machine
+noise hits all of them alike."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from smcspec.bench import machine, report
+from smcspec.bench.contenders import Contender, run
+from smcspec.bench.prompts import chat_text, humaneval_problems
+from smcspec.bench.results import ResultLog, measurements
+
+
+@dataclass(frozen=True)
+class SpeedPlan:
+    contenders: list[Contender]
+    temperatures: list[float]
+    prompts: int = 5
+    max_new_tokens: int = 64
+    natural_stop: bool = False
+    reps: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.contenders:
+            raise ValueError("no methods to run")
+        if not self.temperatures:
+            raise ValueError("temperatures is empty")
+        if any(t < 0 for t in self.temperatures):
+            raise ValueError(f"temperatures must be >= 0, got {self.temperatures}")
+        if not 1 <= self.prompts <= 164:
+            raise ValueError(f"prompts must be in [1, 164], got {self.prompts}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.reps < 1:
+            raise ValueError(f"reps must be >= 1, got {self.reps}")
+
+
+def prompt_ids(llm, n: int) -> list[list[int]]:
+    return [llm.encode(chat_text(p), chat=True) for p in humaneval_problems(0, n)]
+
+
+def run_speed(llm, plan: SpeedPlan, out_dir: str | Path, precision: str = "float32") -> list[dict]:
+    out = Path(out_dir)
+    log = ResultLog(
+        out / "speed.jsonl",
+        {
+            "machine": machine.describe(precision),
+            "plan": {
+                "temperatures": plan.temperatures,
+                "prompts": plan.prompts,
+                "max_new_tokens": plan.max_new_tokens,
+                "natural_stop": plan.natural_stop,
+                "reps": plan.reps,
+                "seed": plan.seed,
+                "methods": [c.label for c in plan.contenders],
+            },
+        },
+    )
+    prompts = prompt_ids(llm, plan.prompts)
+    jobs = [
+        (temp, rep, i, c)
+        for temp in plan.temperatures
+        for rep in range(plan.reps)
+        for i in range(len(prompts))
+        for c in _rotated(plan.contenders, rep + i)
+    ]
+    todo = [j for j in jobs if not log.has(_key(plan, *j))]
+    if todo:
+        _warm_up(llm, plan, prompts[0])
+    for temp, rep, i, c in tqdm(todo, desc="bench speed", unit="run"):
+        seed = plan.seed + 1000 * rep + i
+        result = run(llm, c, prompts[i], temp, plan.max_new_tokens, plan.natural_stop, seed)
+        result.pop("text", None)
+        result.pop("particle_texts", None)
+        log.add(
+            _key(plan, temp, rep, i, c),
+            {
+                "label": c.label,
+                "method": c.method,
+                "settings": c.settings,
+                "temperature": temp,
+                "prompt": i,
+                "rep": rep,
+                "prompt_tokens": len(prompts[i]),
+                **result,
+            },
+        )
+    return write_speed_report(out)
+
+
+def _key(plan: SpeedPlan, temp: float, rep: int, i: int, c: Contender) -> str:
+    mode = "stop" if plan.natural_stop else "fixed"
+    return f"{c.label}|T={temp}|prompt={i}|rep={rep}|len={plan.max_new_tokens}|{mode}"
+
+
+def _rotated(items: list, shift: int) -> list:
+    shift %= len(items)
+    return items[shift:] + items[:shift]
+
+
+def _warm_up(llm, plan: SpeedPlan, ids: list[int]) -> None:
+    """One short untimed run per method, so first-call costs (allocations, kernel selection)
+    do not land on whichever method happens to run first."""
+    for c in plan.contenders:
+        run(llm, c, ids, plan.temperatures[0], 4, False, 0)
+
+
+def write_speed_report(out_dir: str | Path) -> list[dict]:
+    out = Path(out_dir)
+    path = out / "speed.jsonl"
+    rows = report.speed_summary(measurements(path))
+    hdr = report.header_of(path)
+    title = report.speed_caption(hdr)
+    (out / "speed.md").write_text(f"{title}\n\n{report.speed_table(rows)}")
+    if len({r["temperature"] for r in rows}) > 1:
+        report.plot_temperature(rows, out / "speed_temperature.png", title)
+    return rows

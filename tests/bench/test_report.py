@@ -1,0 +1,122 @@
+import json
+
+import pytest
+
+from smcspec.bench import report
+from smcspec.bench.results import ResultLog, header, measurements
+
+
+def test_wilson_interval_known_values():
+    low, high = report.wilson_interval(10, 20)
+    assert (round(low, 4), round(high, 4)) == (0.2993, 0.7007)
+    low, high = report.wilson_interval(0, 10)
+    assert low == 0.0 and round(high, 4) == 0.2775
+    low, high = report.wilson_interval(20, 20)
+    assert round(low, 4) == 0.8389 and high == 1.0
+    with pytest.raises(ValueError):
+        report.wilson_interval(0, 0)
+
+
+def test_wilson_interval_covers_at_the_nominal_rate():
+    # Exact coverage of the 95% interval at n = 40, p = 0.3, summed over the binomial law.
+    from scipy import stats
+
+    n, p = 40, 0.3
+    coverage = sum(
+        stats.binom.pmf(k, n, p)
+        for k in range(n + 1)
+        if report.wilson_interval(k, n)[0] <= p <= report.wilson_interval(k, n)[1]
+    )
+    assert 0.93 <= coverage <= 0.97
+
+
+def test_pareto_front():
+    points = [(1.0, 0.5), (2.0, 0.4), (1.5, 0.3), (0.5, 0.6), (2.0, 0.2)]
+    assert sorted(report.pareto_front(points)) == [0, 1, 3]
+
+
+def test_result_log_resumes_and_ignores_a_torn_line(tmp_path):
+    path = tmp_path / "r.jsonl"
+    log = ResultLog(path, {"machine": {"cpu": "x"}})
+    log.add("a", {"v": 1})
+    log.add("b", {"v": 2})
+    with path.open("a") as f:
+        f.write('{"key": "c", "v"')  # killed mid-write
+    again = ResultLog(path, {"machine": {"cpu": "y"}})
+    assert again.has("a") and again.has("b") and not again.has("c")
+    assert [r["v"] for r in measurements(path)] == [1, 2]
+    assert header(path)["machine"]["cpu"] == "x"  # the header is written once
+
+
+def _rec(label, prompt, tps, temp=0.7, **extra):
+    return {
+        "label": label,
+        "method": label.split()[0],
+        "temperature": temp,
+        "prompt": prompt,
+        "rep": 0,
+        "tokens_per_second": tps,
+        **extra,
+    }
+
+
+def test_speed_summary_pairs_runs_with_ar():
+    records = [
+        _rec("ar", 0, 2.0),
+        _rec("ar", 1, 4.0),
+        _rec("sd K=2", 0, 3.0, acceptance_rate=0.5, mean_accepted_length=1.0),
+        _rec("sd K=2", 1, 4.0, acceptance_rate=0.7, mean_accepted_length=1.4),
+        _rec(
+            "smc N=2 K=2",
+            0,
+            1.0,
+            ess=[2.0, 1.5],
+            resamples=1,
+            rounds=2,
+            time_split={"prefill": 1, "draft": 1, "verify": 2, "resample": 0, "other": 0},
+        ),
+        _rec(
+            "smc N=2 K=2",
+            1,
+            2.0,
+            ess=[2.0, 2.0],
+            resamples=0,
+            rounds=2,
+            time_split={"prefill": 1, "draft": 1, "verify": 2, "resample": 0, "other": 0},
+        ),
+    ]
+    rows = {r["label"]: r for r in report.speed_summary(records)}
+    assert rows["ar"]["vs_ar"] == 1.0
+    assert rows["sd K=2"]["vs_ar"] == pytest.approx((1.5 + 1.0) / 2)  # median of paired ratios
+    assert rows["sd K=2"]["median_tps"] == 3.5 and rows["sd K=2"]["acceptance_rate"] == 0.6
+    assert rows["smc N=2 K=2"]["mean_ess"] == pytest.approx(1.875)
+    assert rows["smc N=2 K=2"]["min_ess"] == 1.5 and rows["smc N=2 K=2"]["resample_rate"] == 0.25
+    assert rows["smc N=2 K=2"]["frac_verify"] == pytest.approx(0.5)
+    table = report.speed_table(report.speed_summary(records))
+    lines = table.strip().splitlines()
+    assert len(lines) == 2 + 3
+    assert lines[3].startswith("| sd K=2 | 0.7 | 2 | 3.50 | 3.00-4.00 | 1.25x | 0.60 |")
+    assert "| 25% / 25% / 50% / 0% / 0% |" in lines[4]
+
+
+def test_accuracy_summary_and_table():
+    records = [
+        {"label": "ar", "passed": i < 3, "new_tokens": 10, "seconds": 5.0, "mean_target_logp": -0.5}
+        for i in range(4)
+    ]
+    (row,) = report.accuracy_summary(records)
+    assert row["pass_at_1"] == 0.75 and row["tokens_per_second"] == 2.0
+    assert (row["ci_low"], row["ci_high"]) == report.wilson_interval(3, 4)
+    assert "| ar | 4 | 0.750 (3/4) |" in report.accuracy_table([row])
+
+
+def test_plots_are_written(tmp_path):
+    rows = [{"label": "ar", "temperature": t, "median_tps": 1.0 + t} for t in (0.3, 0.7)]
+    report.plot_temperature(rows, tmp_path / "t.png", "title")
+    acc = [
+        {"label": "ar", "tokens_per_second": 2.0, "pass_at_1": 0.5, "ci_low": 0.3, "ci_high": 0.7}
+    ]
+    report.plot_pareto(acc, tmp_path / "p.png", "title")
+    assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "p.png").stat().st_size > 1000
+    json.dumps(rows)

@@ -83,6 +83,7 @@ def run_accuracy(
         out / "accuracy.jsonl",
         {
             "machine": machine.describe(precision),
+            "models": {"target": llm.names[0], "draft": llm.names[1]},
             "plan": {
                 "temperature": plan.temperature,
                 "offset": plan.offset,

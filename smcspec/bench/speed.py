@@ -50,6 +50,7 @@ def run_speed(llm, plan: SpeedPlan, out_dir: str | Path, precision: str = "float
         out / "speed.jsonl",
         {
             "machine": machine.describe(precision),
+            "models": {"target": llm.names[0], "draft": llm.names[1]},
             "plan": {
                 "temperatures": plan.temperatures,
                 "prompts": plan.prompts,

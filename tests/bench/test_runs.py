@@ -64,6 +64,7 @@ def test_speed_run_writes_results_and_resumes(llm, tmp_path):
     assert all(r["new_tokens"] == 6 for r in records)
     assert (tmp_path / "speed.md").read_text().count("\n| ") == 2 + 6  # header, rule, rows
     assert (tmp_path / "speed_temperature.png").exists()
+    assert "target ToyLM, draft ToyLM" in (tmp_path / "speed.md").read_text()
     # Drop the last result as if the run had been killed: a rerun redoes exactly that one.
     lines = (tmp_path / "speed.jsonl").read_text().splitlines()
     (tmp_path / "speed.jsonl").write_text("\n".join(lines[:-1]) + "\n")
@@ -110,6 +111,7 @@ def test_accuracy_run_on_toy_models(llm, tmp_path):
     assert all(r["mean_target_logp"] < 0 for r in records)
     assert [r["label"] for r in rows] == ["ar", "smc N=2 K=2"]
     assert (tmp_path / "pareto.png").exists()
+    assert "target ToyLM, draft ToyLM" in (tmp_path / "accuracy.md").read_text()
 
 
 def test_accuracy_plan_checks_its_slice():

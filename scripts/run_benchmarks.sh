@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The benchmark runs quoted in the README, in order, on the default pair. Resumable: rerun to
+# finish an interrupted run. Usage: scripts/run_benchmarks.sh [OUT_DIR]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-benchmarks/cpu}
+bin=.venv/bin
+# 1. speed: every method, 5 prompts, 64 tokens (EOS ignored), T = 0.7
+$bin/smcspec bench speed --methods ar sd smc hf hf-assisted --sd-k 2,4 --smc-n 2,4,8 \
+  --smc-k 2,4 --prompts 5 --max-new-tokens 64 --temperatures 0.7 --out "$out/speed"
+# the best smc setting of step 1 drives the sweep and the accuracy run
+best=$($bin/python - "$out/speed/speed.jsonl" <<'PY'
+import sys
+from smcspec.bench import report
+from smcspec.bench.results import measurements
+rows = [r for r in report.speed_summary(measurements(sys.argv[1])) if r["label"].startswith("smc")]
+best = max(rows, key=lambda r: r["median_tps"])["label"].split()
+print(best[1][2:], best[2][2:])
+PY
+)
+read -r n k <<< "$best"
+echo "best smc: N=$n K=$k"
+# 2. temperature sweep: ar, sd K=4 and the best smc
+$bin/smcspec bench speed --methods ar sd smc --sd-k 4 --smc-n "$n" --smc-k "$k" --prompts 3 \
+  --max-new-tokens 64 --temperatures 0.3,0.7,1.0,1.3 --out "$out/sweep"
+# 3. accuracy: HumanEval problems 0..19, ar, sd K=4, best smc
+$bin/smcspec bench accuracy --methods ar sd smc --sd-k 4 --smc-n "$n" --smc-k "$k" \
+  --limit 20 --max-new-tokens 384 --temperature 0.7 --out "$out/accuracy"
+# 4. roofline against the measured speed-ups of step 1
+$bin/smcspec bench roofline --smc-n 2,4,8 --smc-k 2,4 --speed-results "$out/speed/speed.jsonl" \
+  --out "$out/roofline"

@@ -1,0 +1,132 @@
+"""KV tensors in a pool of fixed-size pages, addressed through per-sequence page tables.
+
+Pool layout: k, v [layers, num_pages, page_size, kv_heads, head_dim]. A sequence is a page table
+plus a length. Resampling never copies KV data: `assign` gives each particle its ancestor's table
+(taking references). Before a sequence appends into a last page that other sequences share, that
+one page is copied (copy on write), so no sequence ever sees another's tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from smcspec.kv.pages import PageAllocator
+
+
+class PagedKVCache:
+    def __init__(
+        self,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        num_pages: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.page_size = page_size
+        self.allocator = PageAllocator(num_pages)
+        shape = (layers, num_pages, page_size, kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.tables: dict[int, list[int]] = {}
+        self.lengths: dict[int, int] = {}
+        self._next_id = 0
+
+    # -- sequences -------------------------------------------------------------------------
+
+    def new_sequence(self) -> int:
+        seq = self._next_id
+        self._next_id += 1
+        self.tables[seq] = []
+        self.lengths[seq] = 0
+        return seq
+
+    def fork(self, seq: int) -> int:
+        """A new sequence sharing all of `seq`'s pages (and tokens)."""
+        child = self.new_sequence()
+        self.tables[child] = self.allocator.fork(self.tables[seq])
+        self.lengths[child] = self.lengths[seq]
+        return child
+
+    def assign(self, seqs: list[int], ancestors: list[int]) -> None:
+        """Resampling: seqs[i] becomes a copy of ancestors[i] (given as sequence ids), all at
+        once, by page-table copies and reference counts only."""
+        new_tables = [self.allocator.fork(self.tables[a]) for a in ancestors]
+        new_lengths = [self.lengths[a] for a in ancestors]
+        for seq, table, length in zip(seqs, new_tables, new_lengths, strict=True):
+            self.allocator.release(self.tables[seq])
+            self.tables[seq] = table
+            self.lengths[seq] = length
+
+    def truncate(self, seq: int, length: int) -> None:
+        """Forget positions >= length (speculative rollback); frees pages no longer needed."""
+        assert 0 <= length <= self.lengths[seq]
+        keep = -(-length // self.page_size)
+        self.allocator.release(self.tables[seq][keep:])
+        del self.tables[seq][keep:]
+        self.lengths[seq] = length
+
+    def release(self, seq: int) -> None:
+        self.allocator.release(self.tables.pop(seq))
+        del self.lengths[seq]
+
+    # -- data ------------------------------------------------------------------------------
+
+    def reserve(self, seq: int, n: int) -> torch.Tensor:
+        """Make room for n more positions of `seq` and return their flat slot ids [n]
+        (slot = page * page_size + offset). Raises OutOfPages, leaving `seq` unchanged."""
+        length, table = self.lengths[seq], self.tables[seq]
+        needed = -(-(length + n) // self.page_size) - len(table)
+        cow = length % self.page_size != 0 and self.allocator.refs(table[-1]) > 1
+        if needed + int(cow) > self.allocator.free_pages:
+            from smcspec.kv.pages import OutOfPages
+
+            raise OutOfPages(
+                f"sequence {seq} needs {needed + int(cow)} pages, {self.allocator.free_pages} free"
+            )
+        if cow:
+            self._copy_last_page(seq)
+        for _ in range(needed):
+            table.append(self.allocator.allocate())
+        positions = torch.arange(length, length + n)
+        pages = torch.tensor(table)[positions // self.page_size]
+        self.lengths[seq] = length + n
+        return pages * self.page_size + positions % self.page_size
+
+    def _copy_last_page(self, seq: int) -> None:
+        table = self.tables[seq]
+        shared = table[-1]
+        fresh = self.allocator.allocate()
+        self.k[:, fresh] = self.k[:, shared]
+        self.v[:, fresh] = self.v[:, shared]
+        self.allocator.dec_ref(shared)
+        table[-1] = fresh
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [n, kv_heads, head_dim] at flat slots [n]."""
+        flat_k = self.k[layer].view(-1, *self.k.shape[-2:])
+        flat_v = self.v[layer].view(-1, *self.v.shape[-2:])
+        flat_k[slots] = k
+        flat_v[slots] = v
+
+    def slots(self, seq: int) -> torch.Tensor:
+        """Flat slot ids of all positions of `seq`, in order [length]."""
+        positions = torch.arange(self.lengths[seq])
+        pages = torch.tensor(self.tables[seq], dtype=torch.long)
+        if positions.numel() == 0:
+            return positions
+        return pages[positions // self.page_size] * self.page_size + positions % self.page_size
+
+    def gather(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Contiguous k, v [length, kv_heads, head_dim] of one sequence."""
+        idx = self.slots(seq)
+        flat_k = self.k[layer].view(-1, *self.k.shape[-2:])
+        flat_v = self.v[layer].view(-1, *self.v.shape[-2:])
+        return flat_k[idx], flat_v[idx]
+
+    def kv_bytes_in_use(self) -> int:
+        per_page = self.k[:, 0].numel() * self.k.element_size() * 2
+        return self.allocator.used_pages * per_page

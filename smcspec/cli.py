@@ -55,13 +55,19 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
     p.add_argument(
+        "--backend",
+        default="hf",
+        choices=["hf", "native"],
+        help="hf: transformers (any model); native: Llama/Qwen2/Mistral on a paged KV cache",
+    )
+    p.add_argument(
         "--cache-dir", default=None, help="model cache (default $SMCSPEC_CACHE or ~/.cache/smcspec)"
     )
 
 
 def _add_grid_options(p: argparse.ArgumentParser, methods: list[str], smc_n: str) -> None:
     p.add_argument("--methods", nargs="+", default=methods, help="ar sd smc hf hf-assisted")
-    p.add_argument("--sd-k", default="2,4", help="K grid for sd (first also for hf-assisted)")
+    p.add_argument("--sd-k", default="2,4", help="K grid for sd")
     p.add_argument("--smc-n", default=smc_n, help="N grid for smc")
     p.add_argument("--smc-k", default="2,4", help="K grid for smc")
     p.add_argument("--resample-threshold", type=float, default=0.5)

@@ -50,18 +50,22 @@ class LLM:
         dtype: str = "float32",
         device: str = "cpu",
         cache_dir: str | None = None,
+        backend: str = "hf",
     ) -> None:
         from smcspec.models import defaults, hf
 
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         for role, spec in (("target", target), ("draft", draft)):
             if spec is not None:
                 hf.check_spec(spec, role)
+        load = hf.load if backend == "hf" else _load_native
         if target is None:
             target = str(defaults.ensure(defaults.DEFAULT_TARGET, cache_dir))
-        target_model, target_tok = hf.load(target, dtype, device)
+        target_model, target_tok = load(target, dtype, device)
         if draft is None:
             draft = str(defaults.ensure(defaults.DEFAULT_DRAFT, cache_dir))
-        draft_model, draft_tok = hf.load(draft, dtype, device)
+        draft_model, draft_tok = load(draft, dtype, device)
         check_same_tokenizer(target_tok, draft_tok)
         self._setup(target_model, draft_model, target_tok)
         self.names = (_name(target, "target"), _name(draft, "draft"))
@@ -166,6 +170,43 @@ class LLM:
         return GenerationResult(
             self.decode_text(result.tokens), result.tokens, method, diagnostics, texts
         )
+
+
+BACKENDS = ("hf", "native")
+
+
+def _load_native(spec: str, dtype: str, device: str) -> tuple[CausalLM, Any]:
+    """The native Llama-family model on a paged KV cache, from a local safetensors folder."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from smcspec.models.hf import DTYPES
+    from smcspec.models.llama import SUPPORTED, LlamaModel, NativeCausalLM
+
+    folder = Path(spec).expanduser()
+    if not (folder / "config.json").exists():
+        raise ValueError(f"the native backend needs a local model folder with config.json: {spec}")
+    config = json.loads((folder / "config.json").read_text())
+    if config.get("model_type") not in SUPPORTED:
+        raise ValueError(
+            f"the native backend supports {', '.join(SUPPORTED)}, not {config.get('model_type')!r}"
+            " (use --backend hf)"
+        )
+    if device != "cpu":
+        raise ValueError("the native backend runs on the CPU only for now (use --backend hf)")
+    model = LlamaModel.from_folder(folder, DTYPES[dtype])
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    eos: set[int] = set()
+    gen_path = folder / "generation_config.json"
+    gen_eos = json.loads(gen_path.read_text()).get("eos_token_id") if gen_path.exists() else None
+    for value in (gen_eos, config.get("eos_token_id"), tokenizer.eos_token_id):
+        if isinstance(value, int):
+            eos.add(value)
+        elif isinstance(value, list):
+            eos.update(value)
+    return NativeCausalLM(model, eos), tokenizer
 
 
 def _name(spec: str, role: str) -> str:

@@ -19,6 +19,8 @@ def _floats(text: str, name: str) -> list[float]:
 
 
 def _grid(args: argparse.Namespace):
+    if args.backend == "native" and {"hf", "hf-assisted"} & set(args.methods):
+        raise ValueError("hf and hf-assisted need --backend hf (they run transformers' generate)")
     return build_grid(
         args.methods,
         parse_ints(args.sd_k, "--sd-k"),
@@ -32,7 +34,12 @@ def _llm(args: argparse.Namespace):
     from smcspec.engine import LLM
 
     return LLM(
-        args.target, args.draft, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir
+        args.target,
+        args.draft,
+        dtype=args.dtype,
+        device=args.device,
+        cache_dir=args.cache_dir,
+        backend=args.backend,
     )
 
 

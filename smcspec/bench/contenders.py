@@ -80,8 +80,6 @@ def build_grid(
                             },
                         )
                     )
-        elif method == "hf-assisted":
-            out.append(Contender(method, {"draft_tokens": sd_k[0]}))
         else:
             out.append(Contender(method))
     return out
@@ -130,9 +128,10 @@ def _run_hf(llm, contender, prompt_ids, temperature, max_new, stop_at_eos, seed)
     if not stop_at_eos:
         kwargs["min_new_tokens"] = max_new
     if contender.method == "hf-assisted":
+        # As a user gets it: the assistant's own generation config decides the draft (by
+        # default up to 20 greedy tokens, stopping early below confidence 0.4); arguments to
+        # generate() such as num_assistant_tokens do not reach it.
         kwargs["assistant_model"] = llm.draft.model
-        kwargs["num_assistant_tokens"] = contender.settings["draft_tokens"]
-        kwargs["num_assistant_tokens_schedule"] = "constant"
     ids = torch.tensor([prompt_ids], device=llm.target.device)
     torch.manual_seed(seed)  # HF samples from the global generator
     start = time.perf_counter()

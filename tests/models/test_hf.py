@@ -83,3 +83,28 @@ def test_unreachable_hub_id_is_a_value_error(monkeypatch):
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     with pytest.raises(ValueError, match="cannot load model"):
         hf.load("no-such-org/no-such-model-xyz")
+
+
+def test_native_backend_matches_hf_on_a_tiny_model(tiny_folder, tiny_draft_folder):
+    from smcspec import LLM
+
+    hf_llm = LLM(str(tiny_folder), str(tiny_draft_folder), backend="hf")
+    native = LLM(str(tiny_folder), str(tiny_draft_folder), backend="native")
+    prompt = torch.tensor([[4, 5, 6, 7]])
+    a = hf_llm.target.forward(prompt, hf_llm.target.new_cache(), 4)
+    b = native.target.forward(prompt, native.target.new_cache(), 4)
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    assert native.target.eos_token_ids == hf_llm.target.eos_token_ids
+    out = native.generate(
+        [4, 5, 6], "smc", particles=3, draft_tokens=2, max_new_tokens=6, seed=0, stop_at_eos=False
+    )
+    assert len(out.token_ids) == 6
+
+
+def test_native_backend_refuses_what_it_cannot_load(tmp_path):
+    from smcspec import LLM
+
+    with pytest.raises(ValueError, match="backend must be"):
+        LLM(str(tmp_path), str(tmp_path), backend="vllm")
+    with pytest.raises(ValueError, match=r"config\.json"):
+        LLM(str(tmp_path), str(tmp_path), backend="native")

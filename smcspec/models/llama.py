@@ -1,0 +1,277 @@
+"""A native Llama-family decoder (Llama 2/3, Qwen2/2.5, Mistral) over a paged KV cache.
+
+RMSNorm, rotary position embeddings, grouped-query attention, SwiGLU, optional q/k/v bias
+(Qwen2). Q, K and V are one fused projection, gate and up another. A forward takes a ragged
+batch: each sequence appends its own number of tokens at its own position.
+
+Reference: this module is tested against `transformers` on the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from smcspec.kv.cache import PagedKVCache
+
+SUPPORTED = ("llama", "qwen2", "mistral")
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_eps: float
+    qkv_bias: bool
+    tie_embeddings: bool
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> LlamaConfig:
+        heads = cfg["num_attention_heads"]
+        rope = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get(
+            "rope_theta", 10000.0
+        )
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rope_theta=float(rope),
+            rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        )
+
+
+@dataclass
+class Layer:
+    input_norm: torch.Tensor  # [H]
+    qkv: torch.Tensor  # [(heads + 2 kv_heads) * D, H]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor  # [H, heads * D]
+    post_norm: torch.Tensor  # [H]
+    gate_up: torch.Tensor  # [2 I, H]
+    down: torch.Tensor  # [H, I]
+
+
+class LlamaModel:
+    def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor]) -> None:
+        self.config = config
+        w = weights
+        self.embed = w["model.embed_tokens.weight"]
+        self.norm = w["model.norm.weight"]
+        self.lm_head = self.embed if config.tie_embeddings else w["lm_head.weight"]
+        self.layers = [self._layer(w, f"model.layers.{i}.") for i in range(config.num_layers)]
+        d = config.head_dim
+        self.inv_freq = 1.0 / (
+            config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+        )
+
+    def _layer(self, w: dict[str, torch.Tensor], p: str) -> Layer:
+        a = p + "self_attn."
+        bias = None
+        if self.config.qkv_bias:
+            bias = torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]])
+        return Layer(
+            input_norm=w[p + "input_layernorm.weight"],
+            qkv=torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]),
+            qkv_bias=bias,
+            o=w[a + "o_proj.weight"],
+            post_norm=w[p + "post_attention_layernorm.weight"],
+            gate_up=torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
+            down=w[p + "mlp.down_proj.weight"],
+        )
+
+    @classmethod
+    def from_folder(cls, folder: str | Path, dtype: torch.dtype = torch.float32) -> LlamaModel:
+        """Load a Hugging Face safetensors folder (config.json + *.safetensors)."""
+        from safetensors.torch import load_file
+
+        folder = Path(folder)
+        config = LlamaConfig.from_hf(json.loads((folder / "config.json").read_text()))
+        weights: dict[str, torch.Tensor] = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            weights.update({k: v.to(dtype) for k, v in load_file(str(f)).items()})
+        return cls(config, weights)
+
+    def new_kv(self, num_pages: int, page_size: int = 16) -> PagedKVCache:
+        c = self.config
+        return PagedKVCache(
+            c.num_layers, c.num_kv_heads, c.head_dim, page_size, num_pages, self.embed.dtype
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self, kv: PagedKVCache, seqs: list[int], tokens: list[torch.Tensor], num_logits: int
+    ) -> torch.Tensor:
+        """Append tokens[b] (1-D, any length) to sequence seqs[b]; return logits of the last
+        `num_logits` new positions of every sequence: [B, num_logits, V]. Ragged batch."""
+        c = self.config
+        counts = [int(t.numel()) for t in tokens]
+        starts = [kv.lengths[s] for s in seqs]
+        slots = torch.cat([kv.reserve(s, n) for s, n in zip(seqs, counts, strict=True)])
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, counts, strict=True)])
+        x = F.embedding(torch.cat(tokens), self.embed)  # [total, H]
+        cos, sin = self._rope(positions)  # [total, D]
+        batch = _AttentionBatch.build(kv, seqs, starts, counts)
+        for i, layer in enumerate(self.layers):
+            x = x + self._attention(
+                layer, i, _rms(x, layer.input_norm, c.rms_eps), cos, sin, slots, kv, batch
+            )
+            h = _rms(x, layer.post_norm, c.rms_eps)
+            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down)
+        x = _rms(x, self.norm, c.rms_eps)
+        ends = torch.tensor(counts).cumsum(0)
+        keep = torch.cat([torch.arange(e - num_logits, e) for e in ends.tolist()])
+        return F.linear(x[keep], self.lm_head).float().view(len(seqs), num_logits, -1)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = positions.double()[:, None] * self.inv_freq[None, :]  # [total, D/2]
+        angles = torch.cat([angles, angles], dim=-1)
+        dtype = self.embed.dtype
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def _attention(
+        self,
+        layer: Layer,
+        index: int,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,
+        kv: PagedKVCache,
+        batch: _AttentionBatch,
+    ) -> torch.Tensor:
+        c = self.config
+        d, nh, nkv = c.head_dim, c.num_heads, c.num_kv_heads
+        qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [total, (nh + 2 nkv) d]
+        q, k, v = qkv.split([nh * d, nkv * d, nkv * d], dim=-1)
+        q = _rotate(q.view(-1, nh, d), cos, sin)
+        k = _rotate(k.view(-1, nkv, d), cos, sin)
+        kv.write(index, slots, k, v.view(-1, nkv, d))
+        out = batch.attend(kv, index, q, nh // nkv)  # [total, nh, d]
+        return F.linear(out.reshape(-1, nh * d), layer.o)
+
+
+@dataclass
+class _AttentionBatch:
+    """Index tensors shared by every layer of one forward: the padded key slots of each sequence,
+    the padded query rows, and the causal mask over them."""
+
+    key_slots: torch.Tensor  # [B, Lmax]
+    query_index: torch.Tensor  # [B, Tmax] rows of the flat batch (padding points at row 0)
+    query_valid: torch.Tensor  # [B, Tmax]
+    mask: torch.Tensor  # [B, 1, Tmax, Lmax] True = may attend
+
+    @classmethod
+    def build(cls, kv: PagedKVCache, seqs: list[int], starts: list[int], counts: list[int]):
+        lengths = [s + n for s, n in zip(starts, counts, strict=True)]
+        lmax, tmax, b = max(lengths), max(counts), len(seqs)
+        key_slots = torch.zeros(b, lmax, dtype=torch.long)
+        query_index = torch.zeros(b, tmax, dtype=torch.long)
+        query_valid = torch.zeros(b, tmax, dtype=torch.bool)
+        offset = 0
+        for i, (seq, n) in enumerate(zip(seqs, counts, strict=True)):
+            key_slots[i, : lengths[i]] = kv.slots(seq)
+            query_index[i, :n] = torch.arange(offset, offset + n)
+            query_valid[i, :n] = True
+            offset += n
+        q_pos = torch.tensor(starts)[:, None] + torch.arange(tmax)[None, :]  # [B, Tmax]
+        k_pos = torch.arange(lmax)[None, None, :]
+        # Causal; a valid query never sees past its own sequence's end, and padded query rows
+        # are dropped after attention.
+        mask = k_pos <= q_pos[:, :, None]
+        return cls(key_slots, query_index, query_valid, mask[:, None])
+
+    def attend(self, kv: PagedKVCache, layer: int, q: torch.Tensor, group: int) -> torch.Tensor:
+        """Scaled-dot-product attention of flat queries q [total, nh, d] over the paged keys."""
+        flat_k = kv.k[layer].view(-1, *kv.k.shape[-2:])
+        flat_v = kv.v[layer].view(-1, *kv.v.shape[-2:])
+        keys = flat_k[self.key_slots].transpose(1, 2)  # [B, nkv, Lmax, d]
+        values = flat_v[self.key_slots].transpose(1, 2)
+        if group > 1:
+            keys = keys.repeat_interleave(group, dim=1)
+            values = values.repeat_interleave(group, dim=1)
+        queries = q[self.query_index].transpose(1, 2)  # [B, nh, Tmax, d]
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask)
+        out = out.transpose(1, 2)  # [B, Tmax, nh, d]
+        return out[self.query_valid]  # [total, nh, d] in flat order
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    variance = x.float().pow(2).mean(-1, keepdim=True)
+    return (x.float() * torch.rsqrt(variance + eps)).to(x.dtype) * weight
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on x [total, heads, d] with cos, sin [total, d] (halves convention, as HF)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class NativeCache:
+    """The decoders' `KVCache` view of a paged cache: one paged sequence per row."""
+
+    def __init__(self, kv: PagedKVCache) -> None:
+        self.kv = kv
+        self.rows: list[int] = [kv.new_sequence()]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.rows)
+
+    @property
+    def length(self) -> int:
+        return self.kv.lengths[self.rows[0]]
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Resampling by page tables: new row i shares old row rows[i]'s pages (no KV copy)."""
+        new = [self.kv.fork(self.rows[int(r)]) for r in rows]
+        for seq in self.rows:
+            self.kv.release(seq)
+        self.rows = new
+
+    def crop(self, length: int) -> None:
+        for seq in self.rows:
+            self.kv.truncate(seq, length)
+
+    def release(self) -> None:
+        for seq in self.rows:
+            self.kv.release(seq)
+        self.rows = []
+
+
+class NativeCausalLM:
+    """`CausalLM` over `LlamaModel`: each new cache draws pages from one shared pool."""
+
+    def __init__(
+        self, model: LlamaModel, eos_token_ids: set[int], num_pages: int = 4096, page_size: int = 16
+    ) -> None:
+        self.model = model
+        self.vocab_size = model.config.vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.kv = model.new_kv(num_pages, page_size)
+
+    def new_cache(self) -> NativeCache:
+        return NativeCache(self.kv)
+
+    def forward(self, tokens: torch.Tensor, cache: NativeCache, num_logits: int) -> torch.Tensor:
+        if cache.length == 0 and tokens.shape[0] != cache.batch_size:
+            cache.select(torch.zeros(tokens.shape[0], dtype=torch.long))
+        assert tokens.shape[0] == cache.batch_size, "one row of tokens per cache row"
+        return self.model.forward(self.kv, cache.rows, list(tokens), num_logits)

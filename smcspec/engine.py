@@ -176,7 +176,8 @@ BACKENDS = ("hf", "native")
 
 
 def _load_native(spec: str, dtype: str, device: str) -> tuple[CausalLM, Any]:
-    """The native Llama-family model on a paged KV cache, from a local safetensors folder."""
+    """The native Llama-family model on a paged KV cache, from a local safetensors folder or a
+    .gguf file."""
     import json
     from pathlib import Path
 
@@ -185,21 +186,27 @@ def _load_native(spec: str, dtype: str, device: str) -> tuple[CausalLM, Any]:
     from smcspec.models.hf import DTYPES
     from smcspec.models.llama import SUPPORTED, LlamaModel, NativeCausalLM
 
-    folder = Path(spec).expanduser()
-    if not (folder / "config.json").exists():
-        raise ValueError(f"the native backend needs a local model folder with config.json: {spec}")
-    config = json.loads((folder / "config.json").read_text())
+    if device != "cpu":
+        raise ValueError("the native backend runs on the CPU only for now (use --backend hf)")
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        model = LlamaModel.from_gguf(path, DTYPES[dtype])
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        return NativeCausalLM(model, {tokenizer.eos_token_id}), tokenizer
+    if not (path / "config.json").exists():
+        raise ValueError(
+            f"the native backend needs a local model folder with config.json or a .gguf: {spec}"
+        )
+    config = json.loads((path / "config.json").read_text())
     if config.get("model_type") not in SUPPORTED:
         raise ValueError(
             f"the native backend supports {', '.join(SUPPORTED)}, not {config.get('model_type')!r}"
             " (use --backend hf)"
         )
-    if device != "cpu":
-        raise ValueError("the native backend runs on the CPU only for now (use --backend hf)")
-    model = LlamaModel.from_folder(folder, DTYPES[dtype])
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    model = LlamaModel.from_folder(path, DTYPES[dtype])
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
     eos: set[int] = set()
-    gen_path = folder / "generation_config.json"
+    gen_path = path / "generation_config.json"
     gen_eos = json.loads(gen_path.read_text()).get("eos_token_id") if gen_path.exists() else None
     for value in (gen_eos, config.get("eos_token_id"), tokenizer.eos_token_id):
         if isinstance(value, int):

@@ -107,6 +107,14 @@ class LlamaModel:
             weights.update({k: v.to(dtype) for k, v in load_file(str(f)).items()})
         return cls(config, weights)
 
+    @classmethod
+    def from_gguf(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> LlamaModel:
+        """Load and de-quantize a GGUF file (llama, qwen2, mistral)."""
+        from smcspec.models import gguf_loader
+
+        config, weights = gguf_loader.read(path, dtype)
+        return cls(LlamaConfig.from_hf(config), weights)
+
     def new_kv(self, num_pages: int, page_size: int = 16) -> PagedKVCache:
         c = self.config
         return PagedKVCache(

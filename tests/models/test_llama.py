@@ -1,5 +1,7 @@
 """The native Llama/Qwen2 model against transformers on the same (random) weights."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -15,7 +17,7 @@ def pair(tmp_path_factory):
     config = Qwen2Config(
         vocab_size=50,
         hidden_size=32,
-        intermediate_size=48,
+        intermediate_size=64,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -106,3 +108,96 @@ def test_decoder_view_matches_transformers_through_resampling(pair):
     assert mine.kv.allocator.used_pages < 3 * 4
     caches[1].release()
     assert mine.kv.allocator.used_pages == 0
+
+
+def write_gguf(path, hf, quant=None, arch="qwen2"):
+    """The tiny model as a GGUF file (F32, or Q8_0 for the big matrices). For llama, q/k rows
+    are permuted the way llama.cpp's converter does."""
+    import gguf
+    import numpy as np
+
+    from smcspec.models.gguf_loader import _GLOBAL, _LAYER
+
+    names = {v: k for k, v in _GLOBAL.items()}
+    for i in range(hf.config.num_hidden_layers):
+        names.update({f"model.layers.{i}.{v}": f"blk.{i}.{k}" for k, v in _LAYER.items()})
+    w = gguf.GGUFWriter(str(path), arch)
+    c = hf.config
+    w.add_block_count(c.num_hidden_layers)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    for name, tensor in hf.state_dict().items():
+        array = tensor.detach().float().numpy()
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = c.num_attention_heads if "q_proj" in name else c.num_key_value_heads
+            rows, cols = array.shape
+            array = array.reshape(heads, 2, rows // heads // 2, cols).swapaxes(1, 2)
+            array = array.reshape(rows, cols)
+        if quant is not None and array.ndim == 2:
+            w.add_tensor(names[name], gguf.quants.quantize(array, quant), raw_dtype=quant)
+        else:
+            w.add_tensor(names[name], np.ascontiguousarray(array))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gguf_f32_loads_exactly_the_same_model(pair, tmp_path):
+    hf, native = pair
+    write_gguf(tmp_path / "tiny.gguf", hf)
+    from_gguf = LlamaModel.from_gguf(tmp_path / "tiny.gguf")
+    assert from_gguf.config.rms_eps == pytest.approx(native.config.rms_eps)  # stored as fp32
+    assert dataclasses.replace(from_gguf.config, rms_eps=native.config.rms_eps) == native.config
+    for kv_model in (native, from_gguf):
+        kv = kv_model.new_kv(8, 4)
+        seq = kv.new_sequence()
+        out = kv_model.forward(kv, [seq], [torch.tensor([3, 1, 4, 1, 5])], 5)
+        torch.testing.assert_close(out[0], reference(hf, [3, 1, 4, 1, 5]), rtol=1e-4, atol=1e-4)
+
+
+def test_gguf_q8_0_is_close(pair, tmp_path):
+    import gguf
+
+    hf, _ = pair
+    write_gguf(tmp_path / "q8.gguf", hf, gguf.GGMLQuantizationType.Q8_0)
+    model = LlamaModel.from_gguf(tmp_path / "q8.gguf")
+    kv = model.new_kv(8, 4)
+    out = model.forward(kv, [kv.new_sequence()], [torch.tensor([3, 1, 4, 1, 5])], 5)[0]
+    want = reference(hf, [3, 1, 4, 1, 5])
+    kl = torch.nn.functional.kl_div(
+        out.log_softmax(-1), want.log_softmax(-1), log_target=True, reduction="batchmean"
+    )
+    assert kl < 1e-3  # 8-bit blocks of 32: a small, nonzero error
+    assert not torch.equal(out, want)
+
+
+def test_llama_architecture_from_a_permuted_gguf(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=40,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(1)
+    hf = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+    write_gguf(tmp_path / "llama.gguf", hf, arch="llama")
+    model = LlamaModel.from_gguf(tmp_path / "llama.gguf")
+    assert not model.config.qkv_bias
+    kv = model.new_kv(8, 4)
+    ids = [5, 9, 2, 6, 5, 3]
+    out = model.forward(kv, [kv.new_sequence()], [torch.tensor(ids)], len(ids))[0]
+    torch.testing.assert_close(out, reference(hf, ids), rtol=1e-4, atol=1e-4)

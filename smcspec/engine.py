@@ -183,7 +183,7 @@ def _load_native(spec: str, dtype: str, device: str) -> tuple[CausalLM, Any]:
 
     from transformers import AutoTokenizer
 
-    from smcspec.models.hf import DTYPES
+    from smcspec.models.hf import DTYPES, collect_ids
     from smcspec.models.llama import SUPPORTED, LlamaModel, NativeCausalLM
 
     if device != "cpu":
@@ -205,14 +205,9 @@ def _load_native(spec: str, dtype: str, device: str) -> tuple[CausalLM, Any]:
         )
     model = LlamaModel.from_folder(path, DTYPES[dtype])
     tokenizer = AutoTokenizer.from_pretrained(str(path))
-    eos: set[int] = set()
     gen_path = path / "generation_config.json"
     gen_eos = json.loads(gen_path.read_text()).get("eos_token_id") if gen_path.exists() else None
-    for value in (gen_eos, config.get("eos_token_id"), tokenizer.eos_token_id):
-        if isinstance(value, int):
-            eos.add(value)
-        elif isinstance(value, list):
-            eos.update(value)
+    eos = collect_ids(gen_eos, config.get("eos_token_id"), tokenizer.eos_token_id)
     return NativeCausalLM(model, eos), tokenizer
 
 

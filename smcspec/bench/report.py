@@ -190,14 +190,7 @@ def plot_temperature(rows: list[dict[str, Any]], path: str | Path, title: str) -
     for label, pts in sorted(by_label.items(), key=lambda kv: _order(kv[0])):
         pts.sort()
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
-    ax.set_xlabel("temperature")
-    ax.set_ylabel("tokens / s (median)")
-    ax.set_title(textwrap.fill(title, 110), fontsize=7)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _finish(plt, fig, ax, "temperature", "tokens / s (median)", title, path)
 
 
 def plot_pareto(rows: list[dict[str, Any]], path: str | Path, title: str) -> None:
@@ -214,8 +207,12 @@ def plot_pareto(rows: list[dict[str, Any]], path: str | Path, title: str) -> Non
         ax.annotate(r["label"], (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
     front = sorted(pareto_front(list(zip(xs, ys, strict=False))), key=lambda i: xs[i])
     ax.plot([xs[i] for i in front], [ys[i] for i in front], "--", alpha=0.6, label="Pareto front")
-    ax.set_xlabel("tokens / s")
-    ax.set_ylabel("pass@1 (95% CI)")
+    _finish(plt, fig, ax, "tokens / s", "pass@1 (95% CI)", title, path)
+
+
+def _finish(plt, fig, ax, xlabel: str, ylabel: str, title: str, path: str | Path) -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.set_title(textwrap.fill(title, 110), fontsize=7)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

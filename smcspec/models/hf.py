@@ -120,9 +120,14 @@ def load(spec: str, dtype: str = "float32", device: str = "cpu") -> tuple[HFCaus
 
 def eos_ids(model: torch.nn.Module, tokenizer) -> set[int]:
     """End-of-sequence ids from the generation config and the tokenizer (chat models have two)."""
-    ids: set[int] = set()
     gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    for value in (gen_eos, tokenizer.eos_token_id):
+    return collect_ids(gen_eos, tokenizer.eos_token_id)
+
+
+def collect_ids(*values) -> set[int]:
+    """The union of token ids given as ints, lists or None."""
+    ids: set[int] = set()
+    for value in values:
         if isinstance(value, int):
             ids.add(value)
         elif isinstance(value, list | tuple):

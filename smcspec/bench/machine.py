@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 from pathlib import Path
@@ -39,3 +40,15 @@ def one_line(machine: dict) -> str:
         f"{machine['cpu']} ({machine['cores']} cores, {machine['torch_threads']} torch threads)"
         f"{gpu}, torch {machine['torch']}, {machine['precision']} on {machine['device']}"
     )
+
+
+def run_header(llm, precision: str, plan) -> dict:
+    """What every result file starts with: machine, models, and the plan's settings (its
+    contenders named by their labels)."""
+    settings = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}
+    settings["methods"] = [c.label for c in settings.pop("contenders")]
+    return {
+        "machine": describe(precision),
+        "models": {"target": llm.names[0], "draft": llm.names[1]},
+        "plan": settings,
+    }

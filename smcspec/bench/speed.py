@@ -46,22 +46,7 @@ def prompt_ids(llm, n: int) -> list[list[int]]:
 
 def run_speed(llm, plan: SpeedPlan, out_dir: str | Path, precision: str = "float32") -> list[dict]:
     out = Path(out_dir)
-    log = ResultLog(
-        out / "speed.jsonl",
-        {
-            "machine": machine.describe(precision),
-            "models": {"target": llm.names[0], "draft": llm.names[1]},
-            "plan": {
-                "temperatures": plan.temperatures,
-                "prompts": plan.prompts,
-                "max_new_tokens": plan.max_new_tokens,
-                "natural_stop": plan.natural_stop,
-                "reps": plan.reps,
-                "seed": plan.seed,
-                "methods": [c.label for c in plan.contenders],
-            },
-        },
-    )
+    log = ResultLog(out / "speed.jsonl", machine.run_header(llm, precision, plan))
     prompts = prompt_ids(llm, plan.prompts)
     jobs = [
         (temp, rep, i, c)

@@ -7,6 +7,7 @@ import json
 import sys
 
 from smcspec.config import METHODS, RESAMPLING_SCHEMES
+from smcspec.models.loader import BACKENDS, DTYPES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,13 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens")
     gen.add_argument("--seed", type=int, default=None, help="reproduces a run exactly")
-    gen.add_argument("--target", default=None, help="hub id, folder or .gguf (default: built-in)")
-    gen.add_argument("--draft", default=None, help="hub id, folder or .gguf (default: built-in)")
-    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    gen.add_argument("--device", default="cpu")
-    gen.add_argument(
-        "--cache-dir", default=None, help="model cache (default $SMCSPEC_CACHE or ~/.cache/smcspec)"
-    )
+    _add_model_options(gen)
     gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     _add_bench(sub)
@@ -52,13 +47,19 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, help="hub id, folder or .gguf (default: built-in)")
     p.add_argument("--draft", default=None, help="hub id, folder or .gguf (default: built-in)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPES,
+        help="weights; auto = int8 on a CPU (float activations), bfloat16 on CUDA",
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument(
         "--backend",
-        default="hf",
-        choices=["hf", "native"],
-        help="hf: transformers (any model); native: Llama/Qwen2/Mistral on a paged KV cache",
+        default="auto",
+        choices=BACKENDS,
+        help="native: Llama/Qwen2/Mistral on a paged KV cache; hf: transformers (any model); "
+        "auto: native where it applies",
     )
     p.add_argument(
         "--cache-dir", default=None, help="model cache (default $SMCSPEC_CACHE or ~/.cache/smcspec)"
@@ -125,7 +126,12 @@ def _generate(args: argparse.Namespace) -> int:
     SDConfig(args.draft_tokens)
     SMCConfig(args.particles, args.draft_tokens, args.resample_threshold, args.resampling)
     llm = LLM(
-        args.target, args.draft, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir
+        args.target,
+        args.draft,
+        dtype=args.dtype,
+        device=args.device,
+        cache_dir=args.cache_dir,
+        backend=args.backend,
     )
     result = llm.generate(
         args.prompt,

@@ -47,25 +47,28 @@ class LLM:
         target: str | None = None,
         draft: str | None = None,
         *,
-        dtype: str = "float32",
+        dtype: str = "auto",
         device: str = "cpu",
         cache_dir: str | None = None,
-        backend: str = "hf",
+        backend: str = "auto",
     ) -> None:
-        from smcspec.models import defaults, hf
+        from smcspec.models import defaults, hf, loader
 
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        loader.check_backend(backend)
+        dtype = loader.resolve_dtype(dtype, device)
         for role, spec in (("target", target), ("draft", draft)):
             if spec is not None:
                 hf.check_spec(spec, role)
-        load = hf.load if backend == "hf" else _load_native
         if target is None:
             target = str(defaults.ensure(defaults.DEFAULT_TARGET, cache_dir))
-        target_model, target_tok = load(target, dtype, device)
         if draft is None:
             draft = str(defaults.ensure(defaults.DEFAULT_DRAFT, cache_dir))
-        draft_model, draft_tok = load(draft, dtype, device)
+        backends = {loader.choose_backend(s, backend, device, dtype) for s in (target, draft)}
+        # One engine for both models keeps their timings comparable; native needs both.
+        self.backend = "native" if backends == {"native"} else "hf"
+        self.dtype = dtype
+        target_model, target_tok = loader.load(target, self.backend, dtype, device)
+        draft_model, draft_tok = loader.load(draft, self.backend, dtype, device)
         check_same_tokenizer(target_tok, draft_tok)
         self._setup(target_model, draft_model, target_tok)
         self.names = (_name(target, "target"), _name(draft, "draft"))
@@ -76,6 +79,7 @@ class LLM:
         llm = cls.__new__(cls)
         llm._setup(target, draft, tokenizer)
         llm.names = (type(target).__name__, type(draft).__name__)
+        llm.backend, llm.dtype = "custom", "custom"
         return llm
 
     def _setup(self, target: CausalLM, draft: CausalLM, tokenizer: Any) -> None:
@@ -170,45 +174,6 @@ class LLM:
         return GenerationResult(
             self.decode_text(result.tokens), result.tokens, method, diagnostics, texts
         )
-
-
-BACKENDS = ("hf", "native")
-
-
-def _load_native(spec: str, dtype: str, device: str) -> tuple[CausalLM, Any]:
-    """The native Llama-family model on a paged KV cache, from a local safetensors folder or a
-    .gguf file."""
-    import json
-    from pathlib import Path
-
-    from transformers import AutoTokenizer
-
-    from smcspec.models.hf import DTYPES, collect_ids
-    from smcspec.models.llama import SUPPORTED, LlamaModel, NativeCausalLM
-
-    if device != "cpu":
-        raise ValueError("the native backend runs on the CPU only for now (use --backend hf)")
-    path = Path(spec).expanduser()
-    if path.suffix == ".gguf" and path.is_file():
-        model = LlamaModel.from_gguf(path, DTYPES[dtype])
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        return NativeCausalLM(model, {tokenizer.eos_token_id}), tokenizer
-    if not (path / "config.json").exists():
-        raise ValueError(
-            f"the native backend needs a local model folder with config.json or a .gguf: {spec}"
-        )
-    config = json.loads((path / "config.json").read_text())
-    if config.get("model_type") not in SUPPORTED:
-        raise ValueError(
-            f"the native backend supports {', '.join(SUPPORTED)}, not {config.get('model_type')!r}"
-            " (use --backend hf)"
-        )
-    model = LlamaModel.from_folder(path, DTYPES[dtype])
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    gen_path = path / "generation_config.json"
-    gen_eos = json.loads(gen_path.read_text()).get("eos_token_id") if gen_path.exists() else None
-    eos = collect_ids(gen_eos, config.get("eos_token_id"), tokenizer.eos_token_id)
-    return NativeCausalLM(model, eos), tokenizer
 
 
 def _name(spec: str, role: str) -> str:

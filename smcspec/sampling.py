@@ -54,10 +54,17 @@ def _keep_top_p(scaled: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def sample(logp: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Draw one token per row by the Gumbel-max trick.  [..., V] -> [...] int64."""
-    uniform = torch.rand(logp.shape, generator=generator, device=logp.device, dtype=torch.float64)
-    gumbel = -torch.log(-torch.log(uniform))
-    return (logp.double() + gumbel).argmax(dim=-1)
+    """Draw one token per row by inverting the CDF with one uniform per row (cheaper than
+    Gumbel-max over a 150k vocabulary). [..., V] -> [...] int64.
+
+    A token of probability zero has the same CDF value as its predecessor, so `u < cdf[i]`
+    first holds at a token of positive probability."""
+    cdf = logp.double().exp().cumsum(dim=-1)  # [..., V]
+    u = torch.rand(logp.shape[:-1], generator=generator, device=logp.device, dtype=torch.float64)
+    total = cdf[..., -1]
+    # scaled to the row's total (~1), kept strictly below it despite rounding
+    u = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, u.unsqueeze(-1), right=True).squeeze(-1)
 
 
 def pick(logp: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,11 @@ def _llm(args: argparse.Namespace):
     )
 
 
+def precision(llm) -> str:
+    """How the weights ran, for result headers: e.g. "int8, native backend"."""
+    return f"{llm.dtype}, {llm.backend} backend"
+
+
 def run_bench(args: argparse.Namespace) -> int:
     cmd = args.bench_command
     if cmd == "report":
@@ -60,7 +65,8 @@ def run_bench(args: argparse.Namespace) -> int:
             args.reps,
             args.seed,
         )
-        run_speed(_llm(args), plan, args.out, args.dtype)
+        llm = _llm(args)
+        run_speed(llm, plan, args.out, precision(llm))
         print((Path(args.out) / "speed.md").read_text())
         return 0
     if cmd == "accuracy":
@@ -75,7 +81,8 @@ def run_bench(args: argparse.Namespace) -> int:
             args.timeout,
             args.seed,
         )
-        run_accuracy(_llm(args), plan, args.out, args.dtype)
+        llm = _llm(args)
+        run_accuracy(llm, plan, args.out, precision(llm))
         print((Path(args.out) / "accuracy.md").read_text())
         return 0
     return _roofline(args, contenders)
@@ -102,13 +109,20 @@ def _roofline(args: argparse.Namespace, contenders) -> int:
         sub_out = Path(args.out) / "roofline-speed"
         ar = build_grid(["ar"], [2], [1], [1])
         plan = SpeedPlan(ar + contenders, [args.temperature], 2, 32, False, 1, args.seed)
-        run_speed(llm, plan, sub_out, args.dtype)
+        run_speed(llm, plan, sub_out, precision(llm))
         speed_file = str(sub_out / "speed.jsonl")
     ids = prompt_ids(llm, 1)[0]
     context = (ids * (args.context // len(ids) + 1))[: args.context]
     print(
         run_roofline(
-            llm, grid, context, args.out, args.timing_reps, speed_file, args.temperature, args.dtype
+            llm,
+            grid,
+            context,
+            args.out,
+            args.timing_reps,
+            speed_file,
+            args.temperature,
+            precision(llm),
         )
     )
     return 0

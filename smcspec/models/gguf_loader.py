@@ -82,6 +82,16 @@ def read(
     return config, weights
 
 
+def architecture(path: str | Path) -> str | None:
+    """general.architecture of a GGUF file (memory-mapped, no tensor is read)."""
+    import gguf
+
+    try:
+        return str(_field(gguf.GGUFReader(str(path)), "general.architecture"))
+    except (ValueError, OSError):
+        return None
+
+
 def _field(reader, key: str, default=None):
     field = reader.fields.get(key)
     if field is None:

@@ -98,8 +98,8 @@ def load(spec: str, dtype: str = "float32", device: str = "cpu") -> tuple[HFCaus
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if dtype not in (*DTYPES, "int8"):
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, int8, got {dtype!r}")
     check_spec(spec)
     kwargs: dict = {}
     source = spec
@@ -110,12 +110,39 @@ def load(spec: str, dtype: str = "float32", device: str = "cpu") -> tuple[HFCaus
             source, kwargs["gguf_file"] = str(path.parent), path.name
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype], **kwargs)
+        torch_dtype = DTYPES.get(dtype, torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **kwargs)
     except (OSError, ValueError, KeyError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(f"cannot load model {spec!r}: {first_line}") from err
     model.to(device)
-    return HFCausalLM(model, eos_ids(model, tokenizer)), tokenizer
+    causal_lm = HFCausalLM(model, eos_ids(model, tokenizer))
+    if dtype == "int8":
+        quantize_int8(model)
+    return causal_lm, tokenizer
+
+
+class _Int8Module(torch.nn.Module):
+    """An `nn.Linear` replaced by the native engine's int8 linear (same kernels, same numbers)."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        from smcspec.models.layers import Int8Linear
+
+        super().__init__()
+        self.inner = Int8Linear(linear.weight.detach(), linear.bias)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("weight", torch.empty(0), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def quantize_int8(model: torch.nn.Module) -> None:
+    """Every `nn.Linear` (lm_head included) to int8 weights with per-token int8 activations."""
+    for module in list(model.modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                setattr(module, child_name, _Int8Module(child))
 
 
 def eos_ids(model: torch.nn.Module, tokenizer) -> set[int]:

@@ -17,6 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from smcspec.kv.cache import PagedKVCache
+from smcspec.models.layers import DenseLinear, Int8Linear, make_linear
+
+Linear = DenseLinear | Int8Linear
 
 SUPPORTED = ("llama", "qwen2", "mistral")
 
@@ -59,44 +62,61 @@ class LlamaConfig:
 @dataclass
 class Layer:
     input_norm: torch.Tensor  # [H]
-    qkv: torch.Tensor  # [(heads + 2 kv_heads) * D, H]
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor  # [H, heads * D]
+    qkv: Linear  # H -> (heads + 2 kv_heads) * D, with Qwen2's bias
+    o: Linear  # heads * D -> H
     post_norm: torch.Tensor  # [H]
-    gate_up: torch.Tensor  # [2 I, H]
-    down: torch.Tensor  # [H, I]
+    gate_up: Linear  # H -> 2 I
+    down: Linear  # I -> H
 
 
 class LlamaModel:
-    def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor]) -> None:
+    """Weights in `dtype`: "float32", "bfloat16" or "int8" (weights only: activations, norms,
+    embeddings and the KV cache stay float32; see `layers.Int8Linear`)."""
+
+    def __init__(
+        self, config: LlamaConfig, weights: dict[str, torch.Tensor], dtype: str = "float32"
+    ) -> None:
         self.config = config
+        self.dtype = dtype
         w = weights
-        self.embed = w["model.embed_tokens.weight"]
-        self.norm = w["model.norm.weight"]
-        self.lm_head = self.embed if config.tie_embeddings else w["lm_head.weight"]
-        self.layers = [self._layer(w, f"model.layers.{i}.") for i in range(config.num_layers)]
+        self.act_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+        self.embed = w["model.embed_tokens.weight"].to(self.act_dtype)
+        self.norm = w["model.norm.weight"].to(self.act_dtype)
+        head = w["model.embed_tokens.weight"] if config.tie_embeddings else w.pop("lm_head.weight")
+        self.lm_head = make_linear(head, None, dtype)
+        self.layers = []
+        for i in range(config.num_layers):
+            self.layers.append(self._layer(w, f"model.layers.{i}."))
         d = config.head_dim
         self.inv_freq = 1.0 / (
             config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
         )
 
     def _layer(self, w: dict[str, torch.Tensor], p: str) -> Layer:
+        """Build layer `p`, taking its weights out of `w` so that float copies are freed as the
+        quantized ones are made."""
         a = p + "self_attn."
         bias = None
         if self.config.qkv_bias:
-            bias = torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]])
+            bias = torch.cat(
+                [w.pop(a + "q_proj.bias"), w.pop(a + "k_proj.bias"), w.pop(a + "v_proj.bias")]
+            )
+        qkv = torch.cat(
+            [w.pop(a + "q_proj.weight"), w.pop(a + "k_proj.weight"), w.pop(a + "v_proj.weight")]
+        )
+        gate_up = torch.cat([w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")])
+        dt = self.dtype
         return Layer(
-            input_norm=w[p + "input_layernorm.weight"],
-            qkv=torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]),
-            qkv_bias=bias,
-            o=w[a + "o_proj.weight"],
-            post_norm=w[p + "post_attention_layernorm.weight"],
-            gate_up=torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
-            down=w[p + "mlp.down_proj.weight"],
+            input_norm=w.pop(p + "input_layernorm.weight").to(self.act_dtype),
+            qkv=make_linear(qkv, bias, dt),
+            o=make_linear(w.pop(a + "o_proj.weight"), None, dt),
+            post_norm=w.pop(p + "post_attention_layernorm.weight").to(self.act_dtype),
+            gate_up=make_linear(gate_up, None, dt),
+            down=make_linear(w.pop(p + "mlp.down_proj.weight"), None, dt),
         )
 
     @classmethod
-    def from_folder(cls, folder: str | Path, dtype: torch.dtype = torch.float32) -> LlamaModel:
+    def from_folder(cls, folder: str | Path, dtype: str = "float32") -> LlamaModel:
         """Load a Hugging Face safetensors folder (config.json + *.safetensors)."""
         from safetensors.torch import load_file
 
@@ -104,21 +124,21 @@ class LlamaModel:
         config = LlamaConfig.from_hf(json.loads((folder / "config.json").read_text()))
         weights: dict[str, torch.Tensor] = {}
         for f in sorted(folder.glob("*.safetensors")):
-            weights.update({k: v.to(dtype) for k, v in load_file(str(f)).items()})
-        return cls(config, weights)
+            weights.update(load_file(str(f)))
+        return cls(config, weights, dtype)
 
     @classmethod
-    def from_gguf(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> LlamaModel:
+    def from_gguf(cls, path: str | Path, dtype: str = "float32") -> LlamaModel:
         """Load and de-quantize a GGUF file (llama, qwen2, mistral)."""
         from smcspec.models import gguf_loader
 
-        config, weights = gguf_loader.read(path, dtype)
-        return cls(LlamaConfig.from_hf(config), weights)
+        config, weights = gguf_loader.read(path, torch.float32)
+        return cls(LlamaConfig.from_hf(config), weights, dtype)
 
     def new_kv(self, num_pages: int, page_size: int = 16) -> PagedKVCache:
         c = self.config
         return PagedKVCache(
-            c.num_layers, c.num_kv_heads, c.head_dim, page_size, num_pages, self.embed.dtype
+            c.num_layers, c.num_kv_heads, c.head_dim, page_size, num_pages, self.act_dtype
         )
 
     @torch.inference_mode()
@@ -126,7 +146,19 @@ class LlamaModel:
         self, kv: PagedKVCache, seqs: list[int], tokens: list[torch.Tensor], num_logits: int
     ) -> torch.Tensor:
         """Append tokens[b] (1-D, any length) to sequence seqs[b]; return logits of the last
-        `num_logits` new positions of every sequence: [B, num_logits, V]. Ragged batch."""
+        `num_logits` new positions of every sequence: [B, num_logits, V]. Ragged batch: a sequence
+        given fewer than `num_logits` tokens gets zero logits in the leading rows it lacks."""
+        rows = [
+            F.pad(h, (0, 0, num_logits - h.shape[0], 0))
+            for h in self._hidden(seqs, list(tokens), kv, num_logits)
+        ]
+        return self.lm_head(torch.cat(rows)).float().view(len(seqs), num_logits, -1)
+
+    def _hidden(
+        self, seqs: list[int], tokens: list[torch.Tensor], kv: PagedKVCache, num_logits: int
+    ) -> list[torch.Tensor]:
+        """Run the layers over a ragged batch; the final-normed hidden states of the last
+        min(len(tokens[b]), num_logits) positions of each sequence: list of [n_b, H]."""
         c = self.config
         counts = [int(t.numel()) for t in tokens]
         starts = [kv.lengths[s] for s in seqs]
@@ -140,18 +172,17 @@ class LlamaModel:
                 layer, i, _rms(x, layer.input_norm, c.rms_eps), cos, sin, slots, kv, batch
             )
             h = _rms(x, layer.post_norm, c.rms_eps)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
-        x = _rms(x, self.norm, c.rms_eps)
-        ends = torch.tensor(counts).cumsum(0)
-        keep = torch.cat([torch.arange(e - num_logits, e) for e in ends.tolist()])
-        return F.linear(x[keep], self.lm_head).float().view(len(seqs), num_logits, -1)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+        ends = torch.tensor(counts).cumsum(0).tolist()
+        keep = [torch.arange(e - min(n, num_logits), e) for e, n in zip(ends, counts, strict=True)]
+        x = _rms(x[torch.cat(keep)], self.norm, c.rms_eps)
+        return list(x.split([k.numel() for k in keep]))
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         angles = positions.double()[:, None] * self.inv_freq[None, :]  # [total, D/2]
         angles = torch.cat([angles, angles], dim=-1)
-        dtype = self.embed.dtype
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        return angles.cos().to(self.act_dtype), angles.sin().to(self.act_dtype)
 
     def _attention(
         self,
@@ -166,61 +197,74 @@ class LlamaModel:
     ) -> torch.Tensor:
         c = self.config
         d, nh, nkv = c.head_dim, c.num_heads, c.num_kv_heads
-        qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [total, (nh + 2 nkv) d]
-        q, k, v = qkv.split([nh * d, nkv * d, nkv * d], dim=-1)
-        q = _rotate(q.view(-1, nh, d), cos, sin)
-        k = _rotate(k.view(-1, nkv, d), cos, sin)
-        kv.write(index, slots, k, v.view(-1, nkv, d))
-        out = batch.attend(kv, index, q, nh // nkv)  # [total, nh, d]
-        return F.linear(out.reshape(-1, nh * d), layer.o)
+        qkv = layer.qkv(h).view(-1, nh + 2 * nkv, d)  # [total, nh + 2 nkv, d]
+        qk = _rotate(qkv[:, : nh + nkv], cos, sin)  # q and k heads rotated together
+        q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]
+        kv.write(index, slots, k, v)
+        out = batch.attend(kv, index, q)  # [total, nh, d]
+        return layer.o(out.reshape(-1, nh * d))
 
 
 @dataclass
 class _AttentionBatch:
     """Index tensors shared by every layer of one forward: the padded key slots of each sequence,
-    the padded query rows, and the causal mask over them."""
+    the padded query rows, and the causal mask over them. When every sequence appends the same
+    number of tokens (what the decoders do) the flat rows already form a [B, T] grid and the
+    query gather is skipped; when moreover T = 1 and all lengths agree, no mask is needed."""
 
     key_slots: torch.Tensor  # [B, Lmax]
-    query_index: torch.Tensor  # [B, Tmax] rows of the flat batch (padding points at row 0)
-    query_valid: torch.Tensor  # [B, Tmax]
-    mask: torch.Tensor  # [B, 1, Tmax, Lmax] True = may attend
+    query_index: torch.Tensor | None  # [B, Tmax] rows of the flat batch (padding -> row 0)
+    query_valid: torch.Tensor | None  # [B, Tmax]
+    mask: torch.Tensor | None  # [B, 1, Tmax, Lmax] True = may attend
+    tmax: int
 
     @classmethod
     def build(cls, kv: PagedKVCache, seqs: list[int], starts: list[int], counts: list[int]):
         lengths = [s + n for s, n in zip(starts, counts, strict=True)]
         lmax, tmax, b = max(lengths), max(counts), len(seqs)
         key_slots = torch.zeros(b, lmax, dtype=torch.long)
-        query_index = torch.zeros(b, tmax, dtype=torch.long)
-        query_valid = torch.zeros(b, tmax, dtype=torch.bool)
-        offset = 0
-        for i, (seq, n) in enumerate(zip(seqs, counts, strict=True)):
+        for i, seq in enumerate(seqs):
             key_slots[i, : lengths[i]] = kv.slots(seq)
-            query_index[i, :n] = torch.arange(offset, offset + n)
-            query_valid[i, :n] = True
-            offset += n
-        q_pos = torch.tensor(starts)[:, None] + torch.arange(tmax)[None, :]  # [B, Tmax]
-        k_pos = torch.arange(lmax)[None, None, :]
-        # Causal; a valid query never sees past its own sequence's end, and padded query rows
-        # are dropped after attention.
-        mask = k_pos <= q_pos[:, :, None]
-        return cls(key_slots, query_index, query_valid, mask[:, None])
+        query_index = query_valid = mask = None
+        if min(counts) != tmax:
+            query_index = torch.zeros(b, tmax, dtype=torch.long)
+            query_valid = torch.zeros(b, tmax, dtype=torch.bool)
+            offset = 0
+            for i, n in enumerate(counts):
+                query_index[i, :n] = torch.arange(offset, offset + n)
+                query_valid[i, :n] = True
+                offset += n
+        if tmax > 1 or min(lengths) != lmax:
+            q_pos = torch.tensor(starts)[:, None] + torch.arange(tmax)[None, :]  # [B, Tmax]
+            k_pos = torch.arange(lmax)[None, None, :]
+            # Causal; a valid query never sees past its own sequence's end, and padded query
+            # rows are dropped after attention.
+            mask = (k_pos <= q_pos[:, :, None])[:, None]
+        return cls(key_slots, query_index, query_valid, mask, tmax)
 
-    def attend(self, kv: PagedKVCache, layer: int, q: torch.Tensor, group: int) -> torch.Tensor:
-        """Scaled-dot-product attention of flat queries q [total, nh, d] over the paged keys."""
+    def attend(self, kv: PagedKVCache, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Scaled-dot-product attention of flat queries q [total, nh, d] over the paged keys
+        (grouped-query: nh is a multiple of the cache's kv heads)."""
         flat_k = kv.k[layer].view(-1, *kv.k.shape[-2:])
         flat_v = kv.v[layer].view(-1, *kv.v.shape[-2:])
         keys = flat_k[self.key_slots].transpose(1, 2)  # [B, nkv, Lmax, d]
         values = flat_v[self.key_slots].transpose(1, 2)
-        if group > 1:
-            keys = keys.repeat_interleave(group, dim=1)
-            values = values.repeat_interleave(group, dim=1)
-        queries = q[self.query_index].transpose(1, 2)  # [B, nh, Tmax, d]
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask)
-        out = out.transpose(1, 2)  # [B, Tmax, nh, d]
+        b = self.key_slots.shape[0]
+        if self.query_index is None:
+            queries = q.view(b, self.tmax, *q.shape[1:]).transpose(1, 2)  # [B, nh, T, d]
+        else:
+            queries = q[self.query_index].transpose(1, 2)  # [B, nh, Tmax, d]
+        out = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=self.mask, enable_gqa=True
+        ).transpose(1, 2)  # [B, Tmax, nh, d]
+        if self.query_valid is None:
+            return out.reshape(-1, *q.shape[1:])
         return out[self.query_valid]  # [total, nh, d] in flat order
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
     variance = x.float().pow(2).mean(-1, keepdim=True)
     return (x.float() * torch.rsqrt(variance + eps)).to(x.dtype) * weight
 

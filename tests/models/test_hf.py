@@ -88,8 +88,9 @@ def test_unreachable_hub_id_is_a_value_error(monkeypatch):
 def test_native_backend_matches_hf_on_a_tiny_model(tiny_folder, tiny_draft_folder):
     from smcspec import LLM
 
-    hf_llm = LLM(str(tiny_folder), str(tiny_draft_folder), backend="hf")
-    native = LLM(str(tiny_folder), str(tiny_draft_folder), backend="native")
+    hf_llm = LLM(str(tiny_folder), str(tiny_draft_folder), backend="hf", dtype="float32")
+    native = LLM(str(tiny_folder), str(tiny_draft_folder), backend="native", dtype="float32")
+    assert (native.backend, native.dtype) == ("native", "float32")
     prompt = torch.tensor([[4, 5, 6, 7]])
     a = hf_llm.target.forward(prompt, hf_llm.target.new_cache(), 4)
     b = native.target.forward(prompt, native.target.new_cache(), 4)
@@ -99,6 +100,39 @@ def test_native_backend_matches_hf_on_a_tiny_model(tiny_folder, tiny_draft_folde
         [4, 5, 6], "smc", particles=3, draft_tokens=2, max_new_tokens=6, seed=0, stop_at_eos=False
     )
     assert len(out.token_ids) == 6
+
+
+def test_int8_is_the_same_computation_in_both_backends(tiny_folder, tiny_draft_folder):
+    """Same int8 kernels behind both backends: logits agree to float rounding, and both stay
+    close to float32."""
+    from smcspec import LLM
+
+    hf_llm = LLM(str(tiny_folder), str(tiny_draft_folder), backend="hf", dtype="int8")
+    native = LLM(str(tiny_folder), str(tiny_draft_folder))  # auto on a CPU: native, int8
+    assert (native.backend, native.dtype) == ("native", "int8")
+    fp32 = LLM(str(tiny_folder), str(tiny_draft_folder), dtype="float32")
+    prompt = torch.tensor([[4, 5, 6, 7, 8, 9]])
+    a = hf_llm.target.forward(prompt, hf_llm.target.new_cache(), 6)
+    b = native.target.forward(prompt, native.target.new_cache(), 6)
+    c = fp32.target.forward(prompt, fp32.target.new_cache(), 6)
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    kl = (c.log_softmax(-1).exp() * (c.log_softmax(-1) - b.log_softmax(-1))).sum(-1)
+    assert 0 < kl.max() < 1e-3
+
+
+def test_auto_backend_takes_native_only_where_it_applies(tiny_folder, tmp_path):
+    from smcspec.models.loader import choose_backend
+
+    assert choose_backend(str(tiny_folder), "auto", "cpu", "int8") == "native"
+    assert choose_backend(str(tiny_folder), "auto", "cuda", "bfloat16") == "hf"
+    assert choose_backend(str(tiny_folder), "hf", "cpu", "int8") == "hf"
+    assert choose_backend("Qwen/Qwen2.5-0.5B", "auto", "cpu", "int8") == "hf"
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    assert choose_backend(str(tmp_path), "auto", "cpu", "int8") == "hf"
+    with pytest.raises(ValueError, match="supports llama"):
+        from smcspec.models.loader import load_native
+
+        load_native(str(tmp_path), "float32", "cpu")
 
 
 def test_native_backend_refuses_what_it_cannot_load(tmp_path):

@@ -62,6 +62,7 @@ def test_logits_match_transformers_on_a_ragged_batch(pair):
     out = native.forward(kv, [a, c], [torch.tensor([13]), torch.tensor([17, 19])], 2)
     torch.testing.assert_close(out[1], reference(hf, ids[c])[-2:], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(out[0, -1], reference(hf, ids[a])[-1], rtol=1e-4, atol=1e-4)
+    assert torch.equal(out[0, 0], torch.zeros(50))  # a only gave one token
 
 
 def test_every_position_matches_transformers(pair):

@@ -1,0 +1,83 @@
+"""Linear layers of the native model: a plain floating-point reference and an int8 fast path.
+
+`Int8Linear` stores weights as symmetric int8 with one scale per output channel and runs through
+fbgemm's dynamic quantized linear, which quantizes the activations on the fly with one scale per
+call. On a CPU without wide float units this reads a quarter of the bytes of fp32 and multiplies
+several rows for the price of one. `reference` runs the same int8 weights de-quantized in float
+(weight-only int8), for the few positions whose activations are too large for a shared scale.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+DTYPES = ("float32", "bfloat16", "int8", "auto")
+
+
+class DenseLinear:
+    """y = x W^T + b in the weights' own dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight = weight  # [out, in]
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    reference = __call__
+
+
+class Int8Linear:
+    """W ~= diag(scale) Q with Q int8 in [-127, 127]; activations int8 per call (fbgemm)."""
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, reduce_range: bool = False
+    ) -> None:
+        w = weight.float()
+        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)  # [out]
+        q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        zeros = torch.zeros(q.shape[0], dtype=torch.long)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # quantized tensors are "deprecated"
+            qweight = torch._make_per_channel_quantized_tensor(q, scale.double(), zeros, 0)
+        self.bias = None if bias is None else bias.float()
+        self.packed = torch.ops.quantized.linear_prepack(qweight, None)
+        self.reduce_range = reduce_range
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # fbgemm picks one activation scale per call; rescaling every row to the same peak
+        # first makes that scale per row (per token), so one loud row cannot drown the rest.
+        if x.numel() == x.shape[-1]:  # one row: its own scale already
+            y = torch.ops.quantized.linear_dynamic(x, self.packed, self.reduce_range)
+        else:
+            peak = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-6)  # [..., 1]
+            y = torch.ops.quantized.linear_dynamic(x / peak, self.packed, self.reduce_range) * peak
+        return y if self.bias is None else y + self.bias
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The same int8 weights in float, activations unquantized."""
+        qweight, _ = torch.ops.quantized.linear_unpack(self.packed)
+        return F.linear(x.float(), qweight.dequantize(), self.bias)
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """`auto` is int8 on a CPU and bfloat16 on CUDA."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if dtype == "auto":
+        return "int8" if str(device).startswith("cpu") else "bfloat16"
+    if dtype == "int8" and not str(device).startswith("cpu"):
+        raise ValueError("int8 weights run on the CPU only (fbgemm); use bfloat16 on CUDA")
+    return dtype
+
+
+def make_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None, dtype: str
+) -> DenseLinear | Int8Linear:
+    if dtype == "int8":
+        return Int8Linear(weight, bias)
+    torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    return DenseLinear(weight.to(torch_dtype), None if bias is None else bias.to(torch_dtype))

@@ -85,7 +85,43 @@ def run_bench(args: argparse.Namespace) -> int:
         run_accuracy(llm, plan, args.out, precision(llm))
         print((Path(args.out) / "accuracy.md").read_text())
         return 0
+    if cmd == "engine":
+        return _engine(args, contenders)
     return _roofline(args, contenders)
+
+
+def _engine(args: argparse.Namespace, contenders) -> int:
+    from smcspec.bench.engine import EnginePlan, run_engine
+    from smcspec.engine import LLM
+    from smcspec.models.loader import BACKENDS
+
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    if not backends or any(b not in BACKENDS or b == "auto" for b in backends):
+        raise ValueError(f"--backends must list native and/or hf, got {args.backends!r}")
+    if {"hf", "hf-assisted"} & set(args.methods):
+        raise ValueError("bench engine runs ar, sd and smc on each engine; hf peers: bench speed")
+    plan = EnginePlan(
+        contenders,
+        context=args.context,
+        prompts=args.prompts,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        reps=args.reps,
+        seed=args.seed,
+    )
+    llms = {
+        b: LLM(
+            args.target,
+            args.draft,
+            dtype=args.dtype,
+            device=args.device,
+            cache_dir=args.cache_dir,
+            backend=b,
+        )
+        for b in dict.fromkeys(backends)
+    }
+    print(run_engine(llms, plan, args.out))
+    return 0
 
 
 def _roofline(args: argparse.Namespace, contenders) -> int:

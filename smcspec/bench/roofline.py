@@ -36,6 +36,7 @@ def time_forward(model, context: list[int], batch: int, new_tokens: int, reps: i
         model.forward(tokens, cache, new_tokens)
         times.append(time.perf_counter() - start)
         cache.crop(length)
+    cache.release()
     return statistics.median(times[1:])  # the first is a warm-up
 
 

@@ -74,15 +74,32 @@ def check_prompt(prompt: list[int], model: CausalLM) -> None:
         )
 
 
-def start_cache(model: CausalLM, prompt: torch.Tensor, rows: int) -> KVCache:
+def start_cache(
+    model: CausalLM, prompt: torch.Tensor, rows: int, held: list[KVCache] | None = None
+) -> KVCache:
     """A cache holding all but the last prompt token (which is fed with the first new tokens),
-    replicated to `rows` rows. prompt [L]."""
+    replicated to `rows` rows. prompt [L]. The cache is added to `held` (see `released`)
+    before anything can fail."""
     cache = model.new_cache()
+    if held is not None:
+        held.append(cache)
     if prompt.numel() > 1:
         model.forward(prompt[None, :-1], cache, 1)
     if rows > 1:
         cache.select(torch.zeros(rows, dtype=torch.long))
     return cache
+
+
+@contextmanager
+def released() -> Iterator[list[KVCache]]:
+    """A list that `start_cache` registers caches in; their memory goes back when the block
+    ends, however it ends (an exception in a prefill included)."""
+    held: list[KVCache] = []
+    try:
+        yield held
+    finally:
+        for cache in held:
+            cache.release()
 
 
 def pending(seqs: torch.Tensor, cache: KVCache) -> torch.Tensor:

@@ -28,6 +28,7 @@ from smcspec.decoding.base import (
     StageClock,
     check_prompt,
     pending,
+    released,
     rollback,
     start_cache,
 )
@@ -83,12 +84,16 @@ class SMCDecoder:
         n = self.config.particles
         prompt_t = torch.tensor(prompt, dtype=torch.long)
         pop = Population.start(n, sampling_cfg.max_new_tokens)
-        with clock.stage("prefill"):
-            caches = (start_cache(self.target, prompt_t, n), start_cache(self.draft, prompt_t, n))
-        rounds = 0
-        while pop.live.numel() > 0 and pop.generated < sampling_cfg.max_new_tokens:
-            self._round(pop, prompt_t, caches, sampling_cfg, generator, clock)
-            rounds += 1
+        with released() as held:
+            with clock.stage("prefill"):
+                caches = (
+                    start_cache(self.target, prompt_t, n, held),
+                    start_cache(self.draft, prompt_t, n, held),
+                )
+            rounds = 0
+            while pop.live.numel() > 0 and pop.generated < sampling_cfg.max_new_tokens:
+                self._round(pop, prompt_t, caches, sampling_cfg, generator, clock)
+                rounds += 1
         pop.log_z += particles.log_mean_weight(pop.log_w)
         weights = particles.normalize(pop.log_w)
         choice = int(torch.multinomial(weights, 1, generator=generator))

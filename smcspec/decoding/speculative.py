@@ -17,6 +17,7 @@ from smcspec.decoding.base import (
     StageClock,
     check_prompt,
     pending,
+    released,
     rollback,
     start_cache,
 )
@@ -36,29 +37,30 @@ class SpeculativeDecoder:
         clock = StageClock()
         s = sampling_cfg
         seq = torch.tensor([prompt], dtype=torch.long)  # [1, L]
-        with clock.stage("prefill"):
-            t_cache = start_cache(self.target, seq[0], rows=1)
-            d_cache = start_cache(self.draft, seq[0], rows=1)
-        new: list[int] = []
-        rounds = proposed = accepted_total = 0
-        done = False
-        while not done and len(new) < s.max_new_tokens:
-            k = min(self.config.draft_tokens, s.max_new_tokens - len(new) - 1)
-            with clock.stage("draft"):
-                drafts, logq = self._propose(seq, d_cache, k, s, generator)  # [k], [k, V]
-            with clock.stage("verify"):
-                feed = torch.cat([pending(seq, t_cache), drafts[None]], dim=1)
-                logits = self.target.forward(feed, t_cache, k + 1)[0]  # [k + 1, V]
-                logp = sampling.log_probs(logits, s.temperature, s.top_k, s.top_p)
-            block, n_accepted, n_checked, done = self._accept(drafts, logq, logp, s, generator)
-            rounds += 1
-            proposed += n_checked
-            accepted_total += n_accepted
-            block = block[: s.max_new_tokens - len(new)]
-            new.extend(block)
-            seq = torch.cat([seq, torch.tensor([block])], dim=1)
-            rollback(t_cache, seq.shape[1])
-            rollback(d_cache, seq.shape[1])
+        with released() as held:
+            with clock.stage("prefill"):
+                t_cache = start_cache(self.target, seq[0], 1, held)
+                d_cache = start_cache(self.draft, seq[0], 1, held)
+            new: list[int] = []
+            rounds = proposed = accepted_total = 0
+            done = False
+            while not done and len(new) < s.max_new_tokens:
+                k = min(self.config.draft_tokens, s.max_new_tokens - len(new) - 1)
+                with clock.stage("draft"):
+                    drafts, logq = self._propose(seq, d_cache, k, s, generator)  # [k], [k, V]
+                with clock.stage("verify"):
+                    feed = torch.cat([pending(seq, t_cache), drafts[None]], dim=1)
+                    logits = self.target.forward(feed, t_cache, k + 1)[0]  # [k + 1, V]
+                    logp = sampling.log_probs(logits, s.temperature, s.top_k, s.top_p)
+                block, n_accepted, n_checked, done = self._accept(drafts, logq, logp, s, generator)
+                rounds += 1
+                proposed += n_checked
+                accepted_total += n_accepted
+                block = block[: s.max_new_tokens - len(new)]
+                new.extend(block)
+                seq = torch.cat([seq, torch.tensor([block])], dim=1)
+                rollback(t_cache, seq.shape[1])
+                rollback(d_cache, seq.shape[1])
         seconds, split = clock.finish()
         stats = {
             "proposed_tokens": proposed,

@@ -127,6 +127,13 @@ class PagedKVCache:
         flat_v = self.v[layer].view(-1, *self.v.shape[-2:])
         return flat_k[idx], flat_v[idx]
 
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one position over all layers."""
+        return self.k[:, 0, 0].numel() * self.k.element_size() * 2
+
     def kv_bytes_in_use(self) -> int:
-        per_page = self.k[:, 0].numel() * self.k.element_size() * 2
-        return self.allocator.used_pages * per_page
+        return self.allocator.used_pages * self.page_size * self.bytes_per_token
+
+    def kv_bytes_peak(self) -> int:
+        return self.allocator.peak_used * self.page_size * self.bytes_per_token

@@ -21,6 +21,7 @@ class PageAllocator:
         self.num_pages = num_pages
         self._refs = [0] * num_pages
         self._free: deque[int] = deque(range(num_pages))
+        self.peak_used = 0  # most pages ever in use at once (since reset_peak)
 
     @property
     def free_pages(self) -> int:
@@ -39,7 +40,11 @@ class PageAllocator:
             raise OutOfPages(f"all {self.num_pages} KV pages are in use")
         page = self._free.popleft()
         self._refs[page] = 1
+        self.peak_used = max(self.peak_used, self.used_pages)
         return page
+
+    def reset_peak(self) -> None:
+        self.peak_used = self.used_pages
 
     def inc_ref(self, page: int) -> None:
         assert self._refs[page] > 0, f"page {page} is free"

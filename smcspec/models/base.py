@@ -2,8 +2,9 @@
 
 A model is anything with a vocabulary size, a set of end-of-sequence ids, a way to make an empty
 cache and a forward pass that appends tokens to that cache. Decoders never look inside a cache:
-they only ask its batch size and length, pick rows (resampling, dropping finished particles) and
-crop it (speculative rollback). Every row of a cache holds the same number of tokens.
+they only ask its batch size and length, pick rows (resampling, dropping finished particles),
+crop it (speculative rollback) and release it when done. Every row of a cache holds the same
+number of tokens.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ class KVCache(Protocol):
 
     def crop(self, length: int) -> None:
         """Forget every position at or past `length`."""
+        ...
+
+    def release(self) -> None:
+        """Give the cache's memory back; the cache is empty afterwards."""
         ...
 
 

@@ -40,6 +40,12 @@ class HFCache:
             self.kv.crop(length - self._length)
             self._length = length
 
+    def release(self) -> None:
+        from transformers import DynamicCache
+
+        self.kv = DynamicCache()
+        self._batch, self._length = 1, 0
+
     def advance(self, tokens: int) -> None:
         self._length += tokens
 

@@ -14,7 +14,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-DTYPES = ("float32", "bfloat16", "int8", "auto")
+_LINEAR_INT8 = torch.ops.quantized.linear_dynamic.default  # the overload itself: less dispatch
 
 
 class DenseLinear:
@@ -51,27 +51,16 @@ class Int8Linear:
         # fbgemm picks one activation scale per call; rescaling every row to the same peak
         # first makes that scale per row (per token), so one loud row cannot drown the rest.
         if x.numel() == x.shape[-1]:  # one row: its own scale already
-            y = torch.ops.quantized.linear_dynamic(x, self.packed, self.reduce_range)
+            y = _LINEAR_INT8(x, self.packed, self.reduce_range)
         else:
             peak = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-6)  # [..., 1]
-            y = torch.ops.quantized.linear_dynamic(x / peak, self.packed, self.reduce_range) * peak
+            y = _LINEAR_INT8(x / peak, self.packed, self.reduce_range) * peak
         return y if self.bias is None else y + self.bias
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The same int8 weights in float, activations unquantized."""
         qweight, _ = torch.ops.quantized.linear_unpack(self.packed)
         return F.linear(x.float(), qweight.dequantize(), self.bias)
-
-
-def resolve_dtype(dtype: str, device: str) -> str:
-    """`auto` is int8 on a CPU and bfloat16 on CUDA."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if dtype == "auto":
-        return "int8" if str(device).startswith("cpu") else "bfloat16"
-    if dtype == "int8" and not str(device).startswith("cpu"):
-        raise ValueError("int8 weights run on the CPU only (fbgemm); use bfloat16 on CUDA")
-    return dtype
 
 
 def make_linear(

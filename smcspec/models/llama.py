@@ -289,7 +289,7 @@ class NativeCache:
 
     @property
     def length(self) -> int:
-        return self.kv.lengths[self.rows[0]]
+        return self.kv.lengths[self.rows[0]] if self.rows else 0
 
     def select(self, rows: torch.Tensor) -> None:
         """Resampling by page tables: new row i shares old row rows[i]'s pages (no KV copy)."""

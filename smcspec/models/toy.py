@@ -39,6 +39,9 @@ class ToyCache:
     def crop(self, length: int) -> None:
         self.rows = [row[:length] for row in self.rows]
 
+    def release(self) -> None:
+        self.rows = [()]
+
 
 class ToyLM:
     """A `CausalLM` defined by a function from a token prefix to next-token logits [V]."""

@@ -71,3 +71,43 @@ def test_cli_json_on_the_default_pair():
     out = json.loads(result.stdout)
     assert len(out["token_ids"]) <= 6 and out["tokens_per_second"] > 0
     assert {"ess", "resamples", "weights", "log_z_hat", "particle_texts", "time_split"} <= set(out)
+
+
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_native_engine_matches_transformers_on_the_default_pair(role):
+    """float32 logits of the native engine against transformers on the same converted weights,
+    at every position of a chat prompt."""
+    import gc
+
+    import torch
+
+    from smcspec.bench.fidelity import _all_logits, _load
+    from smcspec.models import defaults, hf
+
+    folder = str(defaults.ensure(getattr(defaults, f"DEFAULT_{role.upper()}")))
+    model, tokenizer = hf.load(folder, "float32")
+    ids = tokenizer.encode("def is_prime(n):\n    if n < 2:\n        return False\n")
+    cache = model.new_cache()
+    expected = model.forward(torch.tensor([ids]), cache, len(ids))[0]
+    del model, cache
+    gc.collect()
+    got = _all_logits(_load(folder, "float32"), ids)
+    assert (got - expected).abs().max() < 1e-3  # logits span about +-30
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+def test_int8_target_meets_the_fidelity_bar():
+    """The default precision on a CPU is int8; it must stay within 0.02 nats (mean KL per
+    position) of float32 on a README prompt."""
+    from transformers import AutoTokenizer
+
+    from smcspec.bench.fidelity import measure
+    from smcspec.models import defaults
+
+    folder = str(defaults.ensure(defaults.DEFAULT_TARGET))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False
+    )
+    r = measure(folder, [tokenizer.encode(chat, add_special_tokens=False)], "int8", 16)
+    assert r["mean_kl"] <= 0.02 and r["argmax_agreement"] >= 0.9, r

@@ -52,6 +52,8 @@ def run_bench(args: argparse.Namespace) -> int:
     cmd = args.bench_command
     if cmd == "report":
         return _report(args)
+    if cmd == "fidelity":
+        return _fidelity(args)
     contenders = _grid(args)
     if cmd == "speed":
         from smcspec.bench.speed import SpeedPlan, run_speed
@@ -88,6 +90,39 @@ def run_bench(args: argparse.Namespace) -> int:
     if cmd == "engine":
         return _engine(args, contenders)
     return _roofline(args, contenders)
+
+
+def _fidelity(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from smcspec.bench.fidelity import run_fidelity
+    from smcspec.models import defaults, hf
+    from smcspec.models.llama import SUPPORTED
+    from smcspec.models.loader import architecture
+
+    if args.new_tokens < 1:
+        raise ValueError(f"--new-tokens must be >= 1, got {args.new_tokens}")
+    specs = {}
+    for role, spec, default in (
+        ("target", args.target, defaults.DEFAULT_TARGET),
+        ("draft", args.draft, defaults.DEFAULT_DRAFT),
+    ):
+        if spec is not None:
+            hf.check_spec(spec, role)
+        spec = spec or str(defaults.ensure(default, args.cache_dir))
+        if architecture(spec) not in SUPPORTED:
+            raise ValueError(
+                f"{role}: fidelity runs on the native engine; {spec} is not a local "
+                f"{'/'.join(SUPPORTED)} folder or .gguf"
+            )
+        specs[role] = spec
+    target = Path(specs["target"])
+    if target.suffix == ".gguf":
+        tokenizer = AutoTokenizer.from_pretrained(str(target.parent), gguf_file=target.name)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(target))
+    print(run_fidelity(specs, tokenizer, args.dtype, args.new_tokens, args.out))
+    return 0
 
 
 def _engine(args: argparse.Namespace, contenders) -> int:

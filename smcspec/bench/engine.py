@@ -167,11 +167,13 @@ def write_engine_report(out_dir: str | Path) -> str:
     resample = {r["backend"]: r["ms"] for r in records if r["key"].startswith("resample|")}
     names = list(next(iter(steps.values()), {}))
     for row in names:
-        lines.append(f"| {row} | " + " | ".join(_ms(steps.get(b, {}).get(row)) for b in backends))
+        cells = [_ms(steps.get(b, {}).get(row)) for b in backends]
+        lines.append(f"| {row} | " + " | ".join(cells) + " |")
     n, extra = plan.get("resample_particles"), plan.get("resample_tokens")
     lines.append(
         f"| resample {n} particles at {plan.get('context', 0) + extra} tokens | "
         + " | ".join(_ms(resample.get(b)) for b in backends)
+        + " |"
     )
     lines += _e2e_table(records, backends, plan)
     kv = next((r for r in records if r["key"] == "kv|native"), None)
@@ -194,29 +196,36 @@ def _e2e_table(records: list[dict], backends: list[str], plan: dict) -> list[str
     if not e2e:
         return []
     labels = list(dict.fromkeys(r["label"] for r in e2e))
-    mean = {
-        (b, lab): statistics.mean(
-            r["tokens_per_second"] for r in e2e if r["backend"] == b and r["label"] == lab
-        )
-        for b in backends
-        for lab in labels
-        if any(r["backend"] == b and r["label"] == lab for r in e2e)
-    }
+
+    def mean(backend: str, label: str, decode_only: bool) -> float | None:
+        rs = [r for r in e2e if r["backend"] == backend and r["label"] == label]
+        if not rs:
+            return None
+        if decode_only:  # new tokens over the time after the prompt's prefill
+            return statistics.mean(
+                r["new_tokens"] / (r["seconds"] - r["time_split"]["prefill"]) for r in rs
+            )
+        return statistics.mean(r["tokens_per_second"] for r in rs)
+
     lines = [
         "",
-        f"End to end: first {plan.get('prompts')} HumanEval prompts, {plan.get('max_new_tokens')} "
-        f"new tokens (EOS ignored), T={plan.get('temperature')}; tok/s include prefill; "
-        "x = speed-up over ar in the same engine.",
+        f"End to end: first {plan.get('prompts')} HumanEval prompts as chat messages, "
+        f"{plan.get('max_new_tokens')} new tokens (EOS ignored), T={plan.get('temperature')}. "
+        "tok/s = new tokens / wall time including the prompt's prefill; decode = the same "
+        "without the prefill; x = speed-up over ar in the same engine.",
         "",
-        "| method | " + " | ".join(f"{b} tok/s | {b} x" for b in backends) + " | diagnostics |",
-        "|---|" + "---|---|" * len(backends) + "---|",
+        "| method | "
+        + " | ".join(f"{b} tok/s | {b} x | {b} decode tok/s | {b} decode x" for b in backends)
+        + " | diagnostics |",
+        "|---|" + "---|---|---|---|" * len(backends) + "---|",
     ]
-    for lab in labels:
+    for label in labels:
         cells = []
         for b in backends:
-            tps, ar = mean.get((b, lab)), mean.get((b, "ar"))
-            cells += [_num(tps), _num(tps / ar if tps and ar else None)]
-        lines.append(f"| {lab} | " + " | ".join(cells) + f" | {_diagnostics(e2e, lab)} |")
+            for decode_only in (False, True):
+                tps, ar = mean(b, label, decode_only), mean(b, "ar", decode_only)
+                cells += [_num(tps), _num(tps / ar if tps and ar else None)]
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {_diagnostics(e2e, label)} |")
     return lines
 
 
@@ -232,7 +241,9 @@ def _diagnostics(records: list[dict], label: str) -> str:
 
 
 def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
+    if value is None:
+        return "-"
+    return f"{value:.1f}" if value >= 1 else f"{value:.3f}"
 
 
 def _num(value: float | None) -> str:

@@ -102,9 +102,9 @@ def test_native_backend_matches_hf_on_a_tiny_model(tiny_folder, tiny_draft_folde
     assert len(out.token_ids) == 6
 
 
-def test_int8_is_the_same_computation_in_both_backends(tiny_folder, tiny_draft_folder):
-    """Same int8 kernels behind both backends: logits agree to float rounding, and both stay
-    close to float32."""
+def test_int8_in_both_backends_stays_close_to_float32(tiny_folder, tiny_draft_folder):
+    """The same int8 kernels behind both backends (the native engine also computes position 0
+    apart, see test_llama), both within a small KL of float32."""
     from smcspec import LLM
 
     hf_llm = LLM(str(tiny_folder), str(tiny_draft_folder), backend="hf", dtype="int8")
@@ -112,12 +112,11 @@ def test_int8_is_the_same_computation_in_both_backends(tiny_folder, tiny_draft_f
     assert (native.backend, native.dtype) == ("native", "int8")
     fp32 = LLM(str(tiny_folder), str(tiny_draft_folder), dtype="float32")
     prompt = torch.tensor([[4, 5, 6, 7, 8, 9]])
-    a = hf_llm.target.forward(prompt, hf_llm.target.new_cache(), 6)
-    b = native.target.forward(prompt, native.target.new_cache(), 6)
-    c = fp32.target.forward(prompt, fp32.target.new_cache(), 6)
-    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
-    kl = (c.log_softmax(-1).exp() * (c.log_softmax(-1) - b.log_softmax(-1))).sum(-1)
-    assert 0 < kl.max() < 1e-3
+    c = fp32.target.forward(prompt, fp32.target.new_cache(), 6).log_softmax(-1)
+    for llm in (hf_llm, native):
+        b = llm.target.forward(prompt, llm.target.new_cache(), 6).log_softmax(-1)
+        kl = (c.exp() * (c - b)).sum(-1)
+        assert 0 < kl.max() < 1e-3
 
 
 def test_auto_backend_takes_native_only_where_it_applies(tiny_folder, tmp_path):

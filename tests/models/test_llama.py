@@ -202,3 +202,36 @@ def test_llama_architecture_from_a_permuted_gguf(tmp_path):
     ids = [5, 9, 2, 6, 5, 3]
     out = model.forward(kv, [kv.new_sequence()], [torch.tensor(ids)], len(ids))[0]
     torch.testing.assert_close(out, reference(hf, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_int8_position_zero_is_the_weight_only_computation(tmp_path_factory, pair):
+    """With int8 weights the first position runs apart in float with the de-quantized weights:
+    it equals a float32 model built from those de-quantized weights, is memoized per token id,
+    and later positions see its keys and values."""
+    from smcspec.models.layers import DenseLinear
+
+    hf, _ = pair
+    folder = tmp_path_factory.mktemp("tiny-int8")
+    hf.save_pretrained(folder)
+    int8 = LlamaModel.from_folder(folder, "int8")
+    dequantized = LlamaModel.from_folder(folder, "float32")
+    for src, dst in zip(int8.layers, dequantized.layers, strict=True):
+        for name in ("qkv", "o", "gate_up", "down"):
+            lin = getattr(src, name)
+            setattr(dst, name, DenseLinear(_dequantized_weight(lin), lin.bias))
+    dequantized.lm_head = DenseLinear(_dequantized_weight(int8.lm_head))
+    kv_a, kv_b = int8.new_kv(8, 4), dequantized.new_kv(8, 4)
+    a = int8.forward(kv_a, [kv_a.new_sequence()], [torch.tensor([7])], 1)
+    b = dequantized.forward(kv_b, [kv_b.new_sequence()], [torch.tensor([7])], 1)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    second = kv_a.new_sequence()
+    c = int8.forward(kv_a, [second], [torch.tensor([7, 3, 9])], 3)
+    torch.testing.assert_close(c[:, :1], a, rtol=0, atol=0)  # memoized: the very same numbers
+    assert list(int8._sinks) == [7]
+    ref = reference(hf, [7, 3, 9])
+    assert (c[0, 1:] - ref[1:]).abs().max() < 0.1 * ref.abs().max()
+
+
+def _dequantized_weight(lin) -> torch.Tensor:
+    w, _ = torch.ops.quantized.linear_unpack(lin.packed)
+    return w.dequantize()

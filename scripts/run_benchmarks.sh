@@ -5,9 +5,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-benchmarks/cpu}
 bin=.venv/bin
+# Steps 1-4 are the smcspec 0.1 tables: the fp32 transformers path, next to HF's own generate.
+fp32=(--backend hf --dtype float32)
 # 1. speed: every method, 5 prompts, 64 tokens (EOS ignored), T = 0.7
-$bin/smcspec bench speed --methods ar sd smc hf hf-assisted --sd-k 2,4 --smc-n 2,4,8 \
-  --smc-k 2,4 --prompts 5 --max-new-tokens 64 --temperatures 0.7 --out "$out/speed"
+$bin/smcspec bench speed "${fp32[@]}" --methods ar sd smc hf hf-assisted --sd-k 2,4 \
+  --smc-n 2,4,8 --smc-k 2,4 --prompts 5 --max-new-tokens 64 --temperatures 0.7 --out "$out/speed"
 # the best smc setting of step 1 drives the sweep and the accuracy run
 best=$($bin/python - "$out/speed/speed.jsonl" <<'PY'
 import sys
@@ -21,11 +23,15 @@ PY
 read -r n k <<< "$best"
 echo "best smc: N=$n K=$k"
 # 2. temperature sweep: ar, sd K=4 and the best smc
-$bin/smcspec bench speed --methods ar sd smc --sd-k 4 --smc-n "$n" --smc-k "$k" --prompts 3 \
+$bin/smcspec bench speed "${fp32[@]}" --methods ar sd smc --sd-k 4 --smc-n "$n" --smc-k "$k" --prompts 3 \
   --max-new-tokens 64 --temperatures 0.3,0.7,1.0,1.3 --out "$out/sweep"
 # 3. accuracy: HumanEval problems 0..19, ar, sd K=4, best smc
-$bin/smcspec bench accuracy --methods ar sd smc --sd-k 4 --smc-n "$n" --smc-k "$k" \
+$bin/smcspec bench accuracy "${fp32[@]}" --methods ar sd smc --sd-k 4 --smc-n "$n" --smc-k "$k" \
   --limit 20 --max-new-tokens 384 --temperature 0.7 --out "$out/accuracy"
 # 4. roofline against the measured speed-ups of step 1
-$bin/smcspec bench roofline --smc-n 2,4,8 --smc-k 2,4 --speed-results "$out/speed/speed.jsonl" \
+$bin/smcspec bench roofline "${fp32[@]}" --smc-n 2,4,8 --smc-k 2,4 --speed-results "$out/speed/speed.jsonl" \
   --out "$out/roofline"
+# 5. the engines side by side at int8 (native vs transformers), and 6. what int8 costs
+$bin/smcspec bench engine --dtype int8 --backends native,hf --sd-k 4,6 --smc-n 2,4 --smc-k 4,8 \
+  --prompts 3 --max-new-tokens 128 --out "$out/engine-int8"
+$bin/smcspec bench fidelity --dtype int8 --out "$out/fidelity-int8"

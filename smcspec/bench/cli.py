@@ -19,7 +19,7 @@ def _floats(text: str, name: str) -> list[float]:
 
 
 def _grid(args: argparse.Namespace):
-    if args.backend == "native" and {"hf", "hf-assisted"} & set(args.methods):
+    if args.backend != "hf" and {"hf", "hf-assisted"} & set(args.methods):
         raise ValueError("hf and hf-assisted need --backend hf (they run transformers' generate)")
     return build_grid(
         args.methods,

@@ -14,12 +14,22 @@ from smcspec.decoding.base import (
     released,
     start_cache,
 )
+from smcspec.decoding.guide import Guide
 from smcspec.models.base import CausalLM
+from smcspec.potentials import Potential
 
 
 class AutoregressiveDecoder:
-    def __init__(self, target: CausalLM) -> None:
+    """One token at a time from p, or, with a potential, from the locally shaped law
+    p^alpha * mask / norm at each step: local tempering and masking, the naive approach whose
+    bias against the sequence-level target SMC removes. A sequence-level reward has no local
+    form, so it is refused here."""
+
+    def __init__(self, target: CausalLM, potential: Potential | None = None) -> None:
+        if potential is not None and potential.has_value:
+            raise ValueError("a reward needs smc: ar cannot weight whole sequences")
         self.target = target
+        self.potential = potential
 
     def decode(
         self, prompt: list[int], sampling_cfg: SamplingConfig, generator: torch.Generator
@@ -27,6 +37,8 @@ class AutoregressiveDecoder:
         check_prompt(prompt, self.target)
         clock = StageClock()
         seq = torch.tensor([prompt], dtype=torch.long)  # [1, L]
+        guide = Guide(self.potential, 1) if self.potential is not None else None
+        dead_end = False
         with released() as held:
             with clock.stage("prefill"):
                 cache = start_cache(self.target, seq[0], 1, held)
@@ -37,10 +49,24 @@ class AutoregressiveDecoder:
                     logp = sampling.log_probs(
                         logits, sampling_cfg.temperature, sampling_cfg.top_k, sampling_cfg.top_p
                     )
+                if guide is not None:
+                    logp, norm = guide.shaped([0], logp)
+                    if torch.isneginf(norm).all():
+                        dead_end = True  # the constraint allows nothing from here
+                        break
                 token = int(sampling.sample(logp, generator)[0])
+                if guide is not None:
+                    guide.advance([0], torch.tensor([token]), torch.tensor([True]))
                 new.append(token)
                 seq = torch.cat([seq, torch.tensor([[token]])], dim=1)
                 if sampling_cfg.stop_at_eos and token in self.target.eos_token_ids:
                     break
         seconds, split = clock.finish()
-        return DecodeResult(tokens=new, rounds=len(new), seconds=seconds, stage_seconds=split)
+        stats = {}
+        if guide is not None:
+            complete = not dead_end and (
+                bool(new and new[-1] in self.target.eos_token_ids and sampling_cfg.stop_at_eos)
+                or guide.end(0) == 0.0
+            )
+            stats["complete"] = complete
+        return DecodeResult(new, len(new), seconds, split, stats)

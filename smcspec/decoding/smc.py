@@ -32,7 +32,9 @@ from smcspec.decoding.base import (
     rollback,
     start_cache,
 )
+from smcspec.decoding.guide import Guide
 from smcspec.models.base import CausalLM, KVCache
+from smcspec.potentials import Potential
 
 
 @dataclass
@@ -71,10 +73,19 @@ class Population:
 
 
 class SMCDecoder:
-    def __init__(self, target: CausalLM, draft: CausalLM, config: SMCConfig) -> None:
+    """SMC-SD towards p, or towards p(x) phi(x) / Z with a potential phi (see `guide`)."""
+
+    def __init__(
+        self,
+        target: CausalLM,
+        draft: CausalLM,
+        config: SMCConfig,
+        potential: Potential | None = None,
+    ) -> None:
         self.target = target
         self.draft = draft
         self.config = config
+        self.potential = potential
 
     def decode(
         self, prompt: list[int], sampling_cfg: SamplingConfig, generator: torch.Generator
@@ -84,6 +95,7 @@ class SMCDecoder:
         n = self.config.particles
         prompt_t = torch.tensor(prompt, dtype=torch.long)
         pop = Population.start(n, sampling_cfg.max_new_tokens)
+        guide = Guide(self.potential, n) if self.potential is not None else None
         with released() as held:
             with clock.stage("prefill"):
                 caches = (
@@ -92,11 +104,16 @@ class SMCDecoder:
                 )
             rounds = 0
             while pop.live.numel() > 0 and pop.generated < sampling_cfg.max_new_tokens:
-                self._round(pop, prompt_t, caches, sampling_cfg, generator, clock)
+                self._round(pop, prompt_t, caches, sampling_cfg, generator, clock, guide)
                 rounds += 1
+                if guide is not None and torch.isneginf(pop.log_w).all():
+                    break  # every particle died: nothing left to extend
+        if guide is not None:
+            self._finish_potential(pop, guide)
         pop.log_z += particles.log_mean_weight(pop.log_w)
-        weights = particles.normalize(pop.log_w)
-        choice = int(torch.multinomial(weights, 1, generator=generator))
+        all_dead = bool(torch.isneginf(pop.log_w).all())
+        weights = particles.normalize(pop.log_w) if not all_dead else torch.zeros(n).double()
+        choice = int(torch.multinomial(weights + all_dead, 1, generator=generator))
         seconds, split = clock.finish()
         all_tokens = [pop.tokens[i, : pop.lengths[i]].tolist() for i in range(n)]
         stats = {
@@ -107,6 +124,9 @@ class SMCDecoder:
             "log_z_hat": pop.log_z,
             "chosen_particle": choice,
         }
+        if guide is not None:
+            stats["valid_particles"] = int((~torch.isneginf(pop.log_w)).sum())
+            stats["potential_errors"] = guide.errors[:10]
         return DecodeResult(all_tokens[choice], rounds, seconds, split, stats, all_tokens)
 
     def _round(
@@ -117,27 +137,38 @@ class SMCDecoder:
         s: SamplingConfig,
         generator: torch.Generator,
         clock: StageClock,
+        guide: Guide | None = None,
     ) -> None:
         t_cache, d_cache = caches
         k = min(self.config.draft_tokens, s.max_new_tokens - pop.generated - 1)
         seqs = pop.live_sequences(prompt)  # [B, L + G]
+        ids = pop.live.tolist()
         with clock.stage("draft"):
-            drafts, logq_x = self._propose(seqs, d_cache, k, s, generator)  # [B, k], [B, k]
+            # [B, k], [B, k], [B]
+            drafts, logq_x, dead = self._propose(seqs, d_cache, k, s, generator, guide, ids)
         with clock.stage("verify"):
             feed = torch.cat([pending(seqs, t_cache), drafts], dim=1)
             logits = self.target.forward(feed, t_cache, k + 1)  # [B, k + 1, V]
             logp = sampling.log_probs(logits, s.temperature, s.top_k, s.top_p)
-            bonus = sampling.sample(logp[:, k], generator)  # [B]
             logp_x = sampling.pick(logp[:, :k], drafts)  # [B, k]
+            if guide is None:
+                bonus = sampling.sample(logp[:, k], generator)  # [B], exact: no weight
+                log_ratio = torch.cat([logp_x - logq_x, torch.zeros_like(logp_x[:, :1])], 1)
+            else:
+                bonus, log_ratio = self._guided_bonus(
+                    guide, ids, logp, logp_x, logq_x, dead, s, generator
+                )
         log_w_before, g0 = pop.log_w.clone(), pop.generated
         rows_before = pop.live
-        self._commit(pop, drafts, bonus, logp_x - logq_x, s)
-        if torch.isneginf(pop.log_w).all():
+        self._commit(pop, drafts, bonus, log_ratio, s)
+        if guide is not None:
+            self._advance_potential(pop, guide, ids, drafts, bonus, s)
+        elif torch.isneginf(pop.log_w).all():
             self._exact_step(pop, rows_before, log_w_before, g0, logp[:, 0], s, generator)
             for cache in caches:
                 rollback(cache, prompt.numel() + pop.generated)
         with clock.stage("resample"):
-            self._maybe_resample(pop, rows_before, caches, generator)
+            self._maybe_resample(pop, rows_before, caches, generator, guide)
 
     def _propose(
         self,
@@ -146,20 +177,92 @@ class SMCDecoder:
         k: int,
         s: SamplingConfig,
         generator: torch.Generator,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft tokens [B, k] and their log q [B, k], K batched draft steps."""
+        guide: Guide | None = None,
+        ids: list[int] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Draft tokens [B, k], their log proposal probability [B, k], K batched draft steps, and
+        which rows hit a dead end [B]. With a guide the proposal is the shaped law
+        g = q^alpha mask / norm, and the guide's states follow the drafts up to an EOS."""
         b = seqs.shape[0]
         tokens = torch.zeros(b, k, dtype=torch.long)
         logq_x = torch.zeros(b, k, dtype=torch.float32)
+        dead = torch.zeros(b, dtype=torch.bool)
+        ended = torch.zeros(b, dtype=torch.bool)
+        eos = self._eos(s)
         feed = pending(seqs, cache)
         for i in range(k):
             logits = self.draft.forward(feed, cache, 1)[:, -1]  # [B, V]
             logq = sampling.log_probs(logits, s.proposal_temperature, s.top_k, s.top_p)
+            if guide is not None:
+                logg, norm = guide.shaped(ids, logq)
+                dead |= torch.isneginf(norm) & ~ended
+                logq = torch.where((ended | dead)[:, None], logq, logg)
             x = sampling.sample(logq, generator)
             tokens[:, i] = x
             logq_x[:, i] = sampling.pick(logq, x)
+            if guide is not None:
+                is_eos = torch.isin(x, eos)
+                guide.advance(ids, x, ~ended & ~dead & ~is_eos)
+                ended |= is_eos
             feed = x[:, None]
-        return tokens, logq_x
+        return tokens, logq_x, dead
+
+    def _guided_bonus(
+        self,
+        guide: Guide,
+        ids: list[int],
+        logp: torch.Tensor,
+        logp_x: torch.Tensor,
+        logq_x: torch.Tensor,
+        dead: torch.Tensor,
+        s: SamplingConfig,
+        generator: torch.Generator,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bonus tokens [B] from the shaped target law at the last position, and the log weight
+        terms [B, k + 1]: alpha log p(x_k) - log g(x_k) per draft, the local normalizer for the
+        bonus; a dead row gets -inf."""
+        k = logp_x.shape[1]
+        logg, norm = guide.shaped(ids, logp[:, k])  # states are past the drafts
+        dead = dead | torch.isneginf(norm)
+        bonus = sampling.sample(torch.where(dead[:, None], logp[:, k], logg), generator)
+        log_ratio = torch.cat([guide.alpha * logp_x - logq_x, norm.float()[:, None]], dim=1)
+        return bonus, log_ratio.masked_fill(dead[:, None], float("-inf"))
+
+    def _advance_potential(
+        self,
+        pop: Population,
+        guide: Guide,
+        ids: list[int],
+        drafts: torch.Tensor,
+        bonus: torch.Tensor,
+        s: SamplingConfig,
+    ) -> None:
+        """Move the states past the bonus token and add each unfinished particle's change of
+        the sequence factor."""
+        eos = self._eos(s)
+        no_eos_before = ~torch.isin(drafts, eos).any(dim=1)
+        guide.advance(ids, bonus, no_eos_before & ~torch.isin(bonus, eos))
+        if guide.potential.has_value:
+            for i in ids:
+                if not pop.finished[i] and not torch.isneginf(pop.log_w[i]):
+                    pop.log_w[i] += guide.value_change(
+                        i, pop.tokens[i, : pop.lengths[i]].tolist(), False
+                    )
+
+    def _finish_potential(self, pop: Population, guide: Guide) -> None:
+        """The sequence factor's final value, and log_end for particles cut at the length
+        limit (a constraint kills those left incomplete)."""
+        for i in range(pop.log_w.numel()):
+            if torch.isneginf(pop.log_w[i]):
+                continue
+            tokens = pop.tokens[i, : pop.lengths[i]].tolist()
+            pop.log_w[i] += guide.value_change(i, tokens, True)
+            if not pop.finished[i]:
+                pop.log_w[i] += guide.end(i)
+
+    def _eos(self, s: SamplingConfig) -> torch.Tensor:
+        ids = sorted(self.target.eos_token_ids) if s.stop_at_eos else []
+        return torch.tensor(ids, dtype=torch.long)
 
     def _commit(
         self,
@@ -169,18 +272,15 @@ class SMCDecoder:
         log_ratio: torch.Tensor,
         s: SamplingConfig,
     ) -> None:
-        """Append drafts [B, k] + bonus [B] to the live particles; weight by log p - log q [B, k]
-        over the tokens up to and including the first EOS."""
+        """Append drafts [B, k] + bonus [B] to the live particles; add the log weight terms
+        [B, k + 1] of the tokens up to and including the first EOS."""
         live = pop.live
         b, k = drafts.shape
         block = torch.cat([drafts, bonus[:, None]], dim=1)  # [B, k + 1]
-        if s.stop_at_eos:
-            is_eos = torch.isin(block, torch.tensor(sorted(self.target.eos_token_ids)))
-        else:
-            is_eos = torch.zeros_like(block, dtype=torch.bool)
+        is_eos = torch.isin(block, self._eos(s))
         has_eos = is_eos.any(dim=1)
         first_eos = torch.where(has_eos, is_eos.float().argmax(dim=1), torch.full((b,), k))
-        counted = torch.arange(k)[None, :] <= first_eos[:, None]  # [B, k]
+        counted = torch.arange(k + 1)[None, :] <= first_eos[:, None]  # [B, k + 1]
         zero = torch.zeros((), dtype=log_ratio.dtype)
         increment = torch.where(counted, log_ratio, zero).sum(dim=1)
         g = pop.generated
@@ -217,6 +317,7 @@ class SMCDecoder:
         rows_before: torch.Tensor,
         caches: tuple[KVCache, KVCache],
         generator: torch.Generator,
+        guide: Guide | None = None,
     ) -> None:
         """Resample if ESS < threshold * N, then make the cache rows match the live particles.
 
@@ -234,6 +335,8 @@ class SMCDecoder:
             pop.finished = pop.finished[source]
             pop.log_w = torch.zeros(n, dtype=torch.float64)
             pop.resamples += 1
+            if guide is not None:
+                guide.reorder(source)
         row_of = torch.full((n,), -1, dtype=torch.long)
         row_of[rows_before] = torch.arange(rows_before.numel())
         rows = row_of[source[~pop.finished]]

@@ -34,9 +34,9 @@ def pair():
 class NoDraftCorrection(_SMC):
     """A classic bug for the power checks: weights use log p only, forgetting - log q."""
 
-    def _propose(self, seqs, cache, k, s, generator):
-        tokens, logq_x = super()._propose(seqs, cache, k, s, generator)
-        return tokens, torch.zeros_like(logq_x)
+    def _propose(self, seqs, cache, k, s, generator, guide=None, ids=None):
+        tokens, logq_x, dead = super()._propose(seqs, cache, k, s, generator, guide, ids)
+        return tokens, torch.zeros_like(logq_x), dead
 
 
 def weighted_runs(

@@ -1,0 +1,77 @@
+"""What a potential adds to a decoder: per-particle states, shaped proposal laws and weights.
+
+Target: pi(x) = p(x)^alpha * 1[x allowed] * exp(v(x)) / Z, alpha = 1 + potential.exponent.
+- A token y drawn from a shaped law  g(y) = exp(z(y)) / sum exp(z),  z = alpha log r + log mask
+  (r = the draft q for proposals, the target p for bonus tokens) is weighted by
+  alpha log p(y) - log g(y): the target's factor over the proposal's probability. For a bonus
+  token (r = p) that is log sum_y exp(z(y)), the local normalizer, whatever y was drawn.
+- The sequence factor enters as v(prefix) - v(previous prefix) after every round; at the end
+  v(x, final) - v(last prefix), so the intermediate values telescope away.
+- A particle whose mask allows nothing, whose reward raises, or that ends incomplete gets
+  weight zero (log -inf); the other particles carry on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from smcspec.potentials import Potential
+
+NEG_INF = float("-inf")
+
+
+class Guide:
+    def __init__(self, potential: Potential, n: int) -> None:
+        self.potential = potential
+        self.alpha = 1.0 + potential.exponent
+        self.states: list[Any] = [potential.start() for _ in range(n)]
+        self.value = torch.zeros(n, dtype=torch.float64)  # last v(prefix) per particle
+        self.errors: list[str] = []
+
+    def shaped(self, particles: list[int], logr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log g [B, V], log normalizer [B]) for z = alpha log r + log mask, per particle's
+        state. A row whose mask allows nothing comes back all -inf with normalizer -inf."""
+        z = logr * self.alpha if self.alpha != 1.0 else logr.clone()
+        if self.potential.has_mask:
+            for row, i in enumerate(particles):
+                mask = self.potential.allowed(self.states[i])
+                if mask is not None:
+                    z[row].masked_fill_(~mask, NEG_INF)
+        norm = torch.logsumexp(z.double(), dim=-1)  # [B]
+        dead = torch.isneginf(norm)
+        logg = torch.where(dead[:, None], z, z - norm.float().masked_fill(dead, 0.0)[:, None])
+        return logg, norm
+
+    def advance(self, particles: list[int], tokens: torch.Tensor, active: torch.Tensor) -> None:
+        for row, i in enumerate(particles):
+            if active[row]:
+                self.states[i] = self.potential.advance(self.states[i], int(tokens[row]))
+
+    def value_change(self, i: int, tokens: list[int], final: bool) -> float:
+        """v(tokens) - v(previous) for particle i; -inf (and a recorded error) if v raises."""
+        if not self.potential.has_value:
+            return 0.0
+        try:
+            new = self.potential.log_value(tokens, final)
+        except Exception as err:  # a user's reward: one failing particle must not stop the rest
+            self.errors.append(f"{type(err).__name__}: {err}")
+            return NEG_INF
+        change = new - float(self.value[i])
+        self.value[i] = new
+        return change
+
+    def end(self, i: int) -> float:
+        """log_end of a particle cut at max_new_tokens (incomplete under a constraint: -inf)."""
+        return self.potential.log_end(self.states[i])
+
+    def reorder(self, source: torch.Tensor) -> None:
+        """Resampling: particle j becomes a copy of particle source[j]."""
+        self.states = [self.potential.copy(self.states[int(a)]) for a in source]
+        self.value = self.value[source]
+
+
+def first_finite(logg: torch.Tensor) -> torch.Tensor:
+    """Rows of logg [B, V] that have any finite entry [B] (the others are dead ends)."""
+    return torch.isfinite(logg).any(dim=-1)

@@ -1,0 +1,161 @@
+"""Potentials: factors phi(x) on whole sequences, so that SMC samples  p(x) phi(x) / Z.
+
+A potential speaks through up to four hooks, each optional:
+- `exponent` e: phi contains p(x)^e, the target's own probability (Power(alpha): e = alpha - 1);
+- `allowed(state)`: a bool mask [V] of next tokens that keep x completable (a hard constraint);
+- `log_value(tokens, final)`: the log of a sequence-level factor as a function of the prefix (a
+  reward, or a twisted reward on prefixes); the sampler evaluates it after every round and at the
+  end and adds the change since the last evaluation, so intermediate values telescope away and
+  the target is exactly p(x) exp(log_value(x, final=True));
+- `log_end(state)`: a last factor on a sequence cut at max_new_tokens (0 or -inf for constraints).
+Per-particle state: `start()`, `advance(state, token)`, `copy(state)` (resampling duplicates).
+Potentials combine by product (`Product`, or `a * b`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+
+class Potential:
+    exponent: float = 0.0
+    has_value: bool = False  # whether log_value is defined
+    has_mask: bool = False  # whether allowed() can return a mask
+
+    def start(self) -> Any:
+        return None
+
+    def advance(self, state: Any, token: int) -> Any:
+        return state
+
+    def copy(self, state: Any) -> Any:
+        return state
+
+    def allowed(self, state: Any) -> torch.Tensor | None:
+        return None
+
+    def log_value(self, tokens: list[int], final: bool) -> float:
+        return 0.0
+
+    def log_end(self, state: Any) -> float:
+        return 0.0
+
+    def __mul__(self, other: Potential) -> Product:
+        return Product([self, other])
+
+
+class Power(Potential):
+    """p(x)^alpha over whole sequences (not per-token temperature 1/alpha: the two differ
+    whenever later tokens' normalizers depend on earlier choices)."""
+
+    def __init__(self, alpha: float) -> None:
+        if not isinstance(alpha, int | float) or not math.isfinite(alpha) or alpha <= 0:
+            raise ValueError(f"power alpha must be a finite number > 0, got {alpha!r}")
+        self.alpha = float(alpha)
+        self.exponent = self.alpha - 1.0
+
+
+class Reward(Potential):
+    """exp(beta * r(x)) with r a function of the generated token ids and a flag `final`.
+
+    every=None: r is applied once, at the end. every=m: also on prefixes, cut to the last
+    multiple of m tokens (a twist that guides the particles early; it telescopes away)."""
+
+    has_value = True
+
+    def __init__(
+        self, fn: Callable[[list[int], bool], float], beta: float = 1.0, every: int | None = None
+    ) -> None:
+        if not callable(fn):
+            raise ValueError(f"reward must be callable, got {fn!r}")
+        if not isinstance(beta, int | float) or not math.isfinite(beta):
+            raise ValueError(f"reward beta must be a finite number, got {beta!r}")
+        if every is not None and (not isinstance(every, int) or every < 1):
+            raise ValueError(f"reward every must be an integer >= 1, got {every!r}")
+        self.fn, self.beta, self.every = fn, float(beta), every
+        self._memo: dict[tuple[int, ...], float] = {}
+
+    def log_value(self, tokens: list[int], final: bool) -> float:
+        if final:
+            return self._call(tuple(tokens), True)
+        if self.every is None or len(tokens) < self.every:
+            return 0.0
+        cut = tuple(tokens[: len(tokens) // self.every * self.every])
+        if cut not in self._memo:
+            if len(self._memo) > 4096:
+                self._memo.clear()
+            self._memo[cut] = self._call(cut, False)
+        return self._memo[cut]
+
+    def _call(self, tokens: tuple[int, ...], final: bool) -> float:
+        value = self.fn(list(tokens), final)
+        if not isinstance(value, int | float) or math.isnan(value):
+            raise ValueError(f"reward must return a number, got {value!r}")
+        return self.beta * float(value)
+
+
+class TokenRule(Potential):
+    """A hard constraint given as a function from the token ids so far to the allowed next
+    tokens (a bool mask [V]) and a test of completeness. For small vocabularies and tests;
+    `Constraint` is the text-level one."""
+
+    has_mask = True
+
+    def __init__(
+        self,
+        allowed: Callable[[tuple[int, ...]], torch.Tensor],
+        complete: Callable[[tuple[int, ...]], bool],
+    ) -> None:
+        self._allowed, self._complete = allowed, complete
+
+    def start(self) -> tuple[int, ...]:
+        return ()
+
+    def advance(self, state: tuple[int, ...], token: int) -> tuple[int, ...]:
+        return (*state, token)
+
+    def allowed(self, state: tuple[int, ...]) -> torch.Tensor:
+        return self._allowed(state)
+
+    def log_end(self, state: tuple[int, ...]) -> float:
+        return 0.0 if self._complete(state) else -math.inf
+
+
+class Product(Potential):
+    def __init__(self, parts: Sequence[Potential]) -> None:
+        flat: list[Potential] = []
+        for p in parts:
+            flat.extend(p.parts if isinstance(p, Product) else [p])
+        if not flat:
+            raise ValueError("a product of potentials needs at least one potential")
+        self.parts = flat
+        self.exponent = sum(p.exponent for p in flat)
+        self.has_mask = any(p.has_mask for p in flat)
+        self.has_value = any(p.has_value for p in flat)
+
+    def start(self) -> tuple:
+        return tuple(p.start() for p in self.parts)
+
+    def advance(self, state: tuple, token: int) -> tuple:
+        return tuple(p.advance(s, token) for p, s in zip(self.parts, state, strict=True))
+
+    def copy(self, state: tuple) -> tuple:
+        return tuple(p.copy(s) for p, s in zip(self.parts, state, strict=True))
+
+    def allowed(self, state: tuple) -> torch.Tensor | None:
+        mask = None
+        for p, s in zip(self.parts, state, strict=True):
+            m = p.allowed(s)
+            if m is not None:
+                mask = m if mask is None else mask & m
+        return mask
+
+    def log_value(self, tokens: list[int], final: bool) -> float:
+        return sum(p.log_value(tokens, final) for p in self.parts if p.has_value)
+
+    def log_end(self, state: tuple) -> float:
+        return sum(p.log_end(s) for p, s in zip(self.parts, state, strict=True))

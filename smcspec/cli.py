@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from smcspec.config import METHODS, RESAMPLING_SCHEMES
 from smcspec.models.loader import BACKENDS, DTYPES
@@ -38,6 +39,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens")
     gen.add_argument("--seed", type=int, default=None, help="reproduces a run exactly")
     _add_model_options(gen)
+    pot = gen.add_argument_group("potentials (smc samples p(x) phi(x); ar applies them locally)")
+    pot.add_argument("--power-alpha", type=float, default=None, help="target p(x)^alpha")
+    pot.add_argument("--regex", default=None, help="the output must fully match this regex")
+    pot.add_argument("--json-schema", default=None, metavar="FILE", help="JSON schema file")
+    pot.add_argument("--grammar", default=None, metavar="FILE", help="Lark grammar file")
+    pot.add_argument("--reward", default=None, metavar="MODULE:FUNCTION", help="r(text) -> float")
+    pot.add_argument("--reward-beta", type=float, default=1.0, help="weight exp(beta r)")
+    pot.add_argument(
+        "--reward-every", type=int, default=None, help="also score prefixes every M tokens"
+    )
     gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     _add_bench(sub)
@@ -140,6 +151,7 @@ def _generate(args: argparse.Namespace) -> int:
     )
     SDConfig(args.draft_tokens)
     SMCConfig(args.particles, args.draft_tokens, args.resample_threshold, args.resampling)
+    potentials = _potential_args(args)
     llm = LLM(
         args.target,
         args.draft,
@@ -163,6 +175,7 @@ def _generate(args: argparse.Namespace) -> int:
         stop_at_eos=not args.ignore_eos,
         seed=args.seed,
         chat=not args.no_chat,
+        **potentials,
     )
     if args.json:
         print(json.dumps(result.to_dict()))
@@ -170,6 +183,48 @@ def _generate(args: argparse.Namespace) -> int:
         print(result.text)
         print(summary(result.method, result.diagnostics), file=sys.stderr)
     return 0
+
+
+def _potential_args(args: argparse.Namespace) -> dict:
+    """Read and check the potential options before any model loads."""
+    from smcspec.potentials import Power, Reward
+
+    out: dict = {"reward_beta": args.reward_beta, "reward_every": args.reward_every}
+    if args.power_alpha is not None:
+        Power(args.power_alpha)
+        out["power_alpha"] = args.power_alpha
+    if args.regex is not None:
+        out["regex"] = args.regex
+    for flag, key in (("json_schema", "json_schema"), ("grammar", "grammar")):
+        path = getattr(args, flag)
+        if path is not None:
+            try:
+                out[key] = Path(path).read_text()
+            except OSError as err:
+                raise ValueError(f"--{flag.replace('_', '-')}: cannot read {path}: {err}") from err
+    if args.reward is not None:
+        out["reward"] = load_function(args.reward)
+        Reward(out["reward"], args.reward_beta, args.reward_every)  # checks beta and every
+    if args.method == "sd" and len(out) > 2:
+        raise ValueError("sd cannot take potentials (it samples p exactly); use --method smc")
+    return out
+
+
+def load_function(spec: str):
+    """`module:function` -> the function, or a ValueError that says what is missing."""
+    import importlib
+
+    module_name, _, name = spec.partition(":")
+    if not module_name or not name:
+        raise ValueError(f"--reward must look like module:function, got {spec!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"--reward: cannot import {module_name}: {err}") from err
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(f"--reward: {module_name} has no function {name}")
+    return fn
 
 
 def summary(method: str, d: dict) -> str:
@@ -193,6 +248,8 @@ def summary(method: str, d: dict) -> str:
             f"N {len(d['weights'])}, mean ESS {mean_ess:.2f}, resamples {d['resamples']}, "
             f"log Z-hat {d['log_z_hat']:.3f}"
         )
+        if "valid_particles" in d:
+            parts.append(f"valid particles {d['valid_particles']}")
     parts.append(f"seed {d['seed']}")
     return " | ".join(parts)
 

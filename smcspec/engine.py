@@ -9,6 +9,7 @@ print(out.text, out.diagnostics["tokens_per_second"])
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 from smcspec.config import SamplingConfig, SDConfig, SMCConfig, check_method
 from smcspec.decoding import AutoregressiveDecoder, DecodeResult, SMCDecoder, SpeculativeDecoder
 from smcspec.models.base import CausalLM
+from smcspec.potentials import Constraint, Potential, Power, Product, Reward
 
 
 @dataclass
@@ -135,8 +137,29 @@ class LLM:
         stop_at_eos: bool = True,
         seed: int | None = None,
         chat: bool = True,
+        power_alpha: float | None = None,
+        regex: str | None = None,
+        json_schema: str | dict | None = None,
+        grammar: str | None = None,
+        reward: Callable[[str], float] | None = None,
+        reward_beta: float = 1.0,
+        reward_every: int | None = None,
+        potential: Potential | None = None,
     ) -> GenerationResult:
+        """Generate from the target p, or from p(x) phi(x) / Z where phi is the product of the
+        potentials given: `power_alpha` (p^alpha over whole sequences), `regex` / `json_schema` /
+        `grammar` (Lark) constraints, `reward(text) -> float` as exp(reward_beta * r) (every
+        `reward_every` tokens as a twist, else at the end), and any `potential` object. smc
+        samples that target; ar applies power and constraints locally (the naive, biased way);
+        sd supports none of them."""
         check_method(method)
+        potential = self.build_potential(
+            power_alpha, regex, json_schema, grammar, reward, reward_beta, reward_every, potential
+        )
+        if potential is not None and method == "sd":
+            raise ValueError(
+                "sd targets p exactly by rejection and cannot take potentials; use smc (or ar)"
+            )
         sampling_cfg = SamplingConfig(
             temperature, top_k, top_p, max_new_tokens, stop_at_eos, seed, draft_temperature
         )
@@ -145,15 +168,53 @@ class LLM:
                 self.target,
                 self.draft,
                 SMCConfig(particles, draft_tokens, resample_threshold, resampling),
+                potential,
             )
         elif method == "sd":
             decoder = SpeculativeDecoder(self.target, self.draft, SDConfig(draft_tokens))
         else:
-            decoder = AutoregressiveDecoder(self.target)
+            decoder = AutoregressiveDecoder(self.target, potential)
         ids = self.encode(prompt, chat)
         seed = secrets.randbits(63) if seed is None else seed
         result = decoder.decode(ids, sampling_cfg, torch.Generator().manual_seed(seed))
         return self._package(result, method, seed, len(ids))
+
+    def build_potential(
+        self,
+        power_alpha: float | None = None,
+        regex: str | None = None,
+        json_schema: str | dict | None = None,
+        grammar: str | None = None,
+        reward: Callable[[str], float] | None = None,
+        reward_beta: float = 1.0,
+        reward_every: int | None = None,
+        extra: Potential | None = None,
+    ) -> Potential | None:
+        """The product of the potentials asked for, or None."""
+        parts: list[Potential] = []
+        if power_alpha is not None:
+            parts.append(Power(power_alpha))
+        texts = {"regex": regex, "json_schema": json_schema, "grammar": grammar}
+        if sum(v is not None for v in texts.values()) > 1:
+            raise ValueError("give at most one of regex, json_schema and grammar")
+        for kind, text in texts.items():
+            if text is None:
+                continue
+            if self.tokenizer is None:
+                raise ValueError(f"{kind} needs a tokenizer (this LLM has none)")
+            build = {"regex": Constraint.regex, "json_schema": Constraint.json_schema}
+            make = build.get(kind, Constraint.lark)
+            parts.append(make(text, self.tokenizer, self.target.vocab_size))
+        if reward is not None:
+            if not callable(reward):
+                raise ValueError(f"reward must be a function of the text, got {reward!r}")
+            decode = self.decode_text
+            parts.append(Reward(lambda ids, final: reward(decode(ids)), reward_beta, reward_every))
+        if extra is not None:
+            parts.append(extra)
+        if not parts:
+            return None
+        return parts[0] if len(parts) == 1 else Product(parts)
 
     def _package(
         self, result: DecodeResult, method: str, seed: int, prompt_len: int

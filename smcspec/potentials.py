@@ -125,6 +125,88 @@ class TokenRule(Potential):
         return 0.0 if self._complete(state) else -math.inf
 
 
+class Constraint(Potential):
+    """The text must match a regular expression, a JSON schema or a Lark grammar (llguidance).
+
+    The target is p restricted to the language and renormalized: the exact conditional. Each
+    particle carries an llguidance matcher; `allowed` is its token mask (EOS only where the text
+    is complete); a sequence cut at max_new_tokens before completion gets weight zero.
+    """
+
+    has_mask = True
+
+    def __init__(
+        self, grammar: str, tokenizer: Any, vocab_size: int, what: str = "grammar"
+    ) -> None:
+        import llguidance
+
+        if isinstance(tokenizer, llguidance.LLTokenizer):
+            self.tokenizer = tokenizer
+        else:
+            import llguidance.hf
+
+            self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+            grammar, self.tokenizer
+        )
+        if failed:
+            raise ValueError(f"invalid {what}: {messages[0] if messages else 'rejected'}")
+        self.grammar, self.vocab_size = grammar, vocab_size
+        self._bits = torch.arange(32, dtype=torch.int32)
+
+    @classmethod
+    def regex(cls, pattern: str, tokenizer: Any, vocab_size: int) -> Constraint:
+        import llguidance
+
+        return cls(llguidance.LLMatcher.grammar_from_regex(pattern), tokenizer, vocab_size, "regex")
+
+    @classmethod
+    def json_schema(cls, schema: str | dict, tokenizer: Any, vocab_size: int) -> Constraint:
+        import json
+
+        import llguidance
+
+        try:
+            if isinstance(schema, str):
+                schema = json.loads(schema)
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"invalid JSON schema: {err}") from err
+        return cls(grammar, tokenizer, vocab_size, "JSON schema")
+
+    @classmethod
+    def lark(cls, text: str, tokenizer: Any, vocab_size: int) -> Constraint:
+        import llguidance
+
+        return cls(llguidance.LLMatcher.grammar_from_lark(text), tokenizer, vocab_size, "grammar")
+
+    def start(self) -> Any:
+        import llguidance
+
+        return llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=0)
+
+    def advance(self, state: Any, token: int) -> Any:
+        state.consume_token(token)  # an invalid token puts the matcher in its error state
+        return state
+
+    def copy(self, state: Any) -> Any:
+        return state.deep_copy()
+
+    def allowed(self, state: Any) -> torch.Tensor:
+        import llguidance.torch
+
+        words = llguidance.torch.allocate_token_bitmask(1, self.vocab_size)  # [1, ceil(V/32)]
+        if not state.is_error():
+            llguidance.torch.fill_next_token_bitmask(state, words, 0)
+        else:
+            words.zero_()
+        bits = (words[0, :, None] >> self._bits) & 1  # [ceil(V/32), 32]
+        return bits.flatten()[: self.vocab_size].bool()
+
+    def log_end(self, state: Any) -> float:
+        return 0.0 if not state.is_error() and state.is_accepting() else -math.inf
+
+
 class Product(Potential):
     def __init__(self, parts: Sequence[Potential]) -> None:
         flat: list[Potential] = []

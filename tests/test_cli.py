@@ -18,6 +18,13 @@ from smcspec import cli
         (["--top-p", "0"], "top_p"),
         (["--max-new-tokens", "0"], "max_new_tokens"),
         (["--target", "/no/such/target.gguf", "--draft", "/no/such/draft"], "does not exist"),
+        (["--power-alpha", "0"], "alpha"),
+        (["--json-schema", "/no/such/schema.json"], "cannot read"),
+        (["--reward", "no_such_module_xyz:f"], "cannot import"),
+        (["--reward", "json:no_such_function"], "no function"),
+        (["--reward", "json"], "module:function"),
+        (["--reward", "json:dumps", "--reward-every", "0"], "every"),
+        (["--method", "sd", "--power-alpha", "2"], "sd cannot take potentials"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(capsys, args, field):

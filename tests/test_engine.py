@@ -86,3 +86,32 @@ def test_mismatched_tokenizers_are_refused():
     check_same_tokenizer(_Tok({"a": 0, "b": 1}), _Tok({"a": 0, "b": 1}))
     with pytest.raises(ValueError, match="tokenizers differ"):
         check_same_tokenizer(_Tok({"a": 0, "b": 1}), _Tok({"a": 1, "b": 0}))
+
+
+def test_potentials_through_the_api():
+    from smcspec.models.toy import perturbed_lm, random_lm
+
+    target = random_lm(4, seed=5)
+    llm = LLM.from_models(target, perturbed_lm(target, seed=6, noise=0.5))
+    out = llm.generate(
+        [1, 2],
+        "smc",
+        particles=4,
+        draft_tokens=2,
+        max_new_tokens=6,
+        seed=0,
+        power_alpha=2.0,
+        reward=lambda text: float(text.count("3")),
+        reward_every=2,
+    )
+    assert out.diagnostics["valid_particles"] >= 1 and out.token_ids
+    local = llm.generate([1, 2], "ar", max_new_tokens=6, seed=0, power_alpha=2.0)
+    assert local.token_ids
+    with pytest.raises(ValueError, match="sd targets p exactly"):
+        llm.generate([1, 2], "sd", power_alpha=2.0)
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        llm.generate([1, 2], "smc", regex="a+")
+    with pytest.raises(ValueError, match="at most one"):
+        llm.generate([1, 2], "smc", regex="a+", grammar="start: 'a'")
+    with pytest.raises(ValueError, match="reward needs smc"):
+        llm.generate([1, 2], "ar", reward=lambda text: 1.0)

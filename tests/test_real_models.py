@@ -111,3 +111,31 @@ def test_int8_target_meets_the_fidelity_bar():
     )
     r = measure(folder, [tokenizer.encode(chat, add_special_tokens=False)], "int8", 16)
     assert r["mean_kl"] <= 0.02 and r["argmax_agreement"] >= 0.9, r
+
+
+def test_constrained_outputs_parse_on_the_default_pair(llm):
+    """smc under a JSON schema and under a regex: the returned text is in the language."""
+    import re
+
+    from smcspec.bench.constrained import PROMPTS, SCHEMA, fits_schema
+
+    out = llm.generate(
+        PROMPTS[0],
+        "smc",
+        particles=2,
+        draft_tokens=3,
+        max_new_tokens=64,
+        seed=0,
+        json_schema=SCHEMA,
+    )
+    assert fits_schema(out.text), out.text
+    out = llm.generate(
+        "What is 12 times 7?",
+        "smc",
+        particles=2,
+        draft_tokens=2,
+        max_new_tokens=8,
+        seed=0,
+        regex="[0-9]+",
+    )
+    assert re.fullmatch("[0-9]+", out.text), out.text

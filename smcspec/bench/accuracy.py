@@ -5,7 +5,6 @@ plane."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,8 +15,7 @@ from smcspec.bench import machine, report
 from smcspec.bench.contenders import Contender, run
 from smcspec.bench.prompts import chat_text, humaneval_path, humaneval_problems
 from smcspec.bench.results import ResultLog, measurements
-
-CODE_BLOCK = re.compile(r"```(?:python|py|Python)?[ \t]*\n(.*?)(?:```|$)", re.DOTALL)
+from smcspec.rewards import extract_code
 
 
 @dataclass(frozen=True)
@@ -43,16 +41,6 @@ class AccuracyPlan:
             raise ValueError(f"timeout must be > 0, got {self.timeout}")
         humaneval_path()  # a missing data file fails here, before any model is loaded
         humaneval_problems(self.offset, self.limit)
-
-
-def extract_code(text: str, entry_point: str) -> str:
-    """The function the model wrote: the first fenced block that defines `entry_point`, else the
-    first fenced block, else the whole reply."""
-    blocks = CODE_BLOCK.findall(text)
-    for block in blocks:
-        if re.search(rf"def\s+{re.escape(entry_point)}\s*\(", block):
-            return block
-    return blocks[0] if blocks else text
 
 
 def completion_for_harness(text: str, problem: dict) -> str:

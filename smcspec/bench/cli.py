@@ -27,6 +27,7 @@ def _grid(args: argparse.Namespace):
         parse_ints(args.smc_n, "--smc-n"),
         parse_ints(args.smc_k, "--smc-k"),
         args.resample_threshold,
+        _floats(args.smc_power, "--smc-power") if args.smc_power else None,
     )
 
 
@@ -54,6 +55,20 @@ def run_bench(args: argparse.Namespace) -> int:
         return _report(args)
     if cmd == "fidelity":
         return _fidelity(args)
+    if cmd == "json":
+        from smcspec.bench.constrained import run_json
+        from smcspec.config import SMCConfig
+
+        SMCConfig(args.particles, args.draft_tokens)
+        if args.reps < 1 or args.max_new_tokens < 1:
+            raise ValueError("--reps and --max-new-tokens must be >= 1")
+        llm = _llm(args)
+        print(
+            run_json(
+                llm, args.out, args.particles, args.draft_tokens, args.reps, args.max_new_tokens
+            )
+        )
+        return 0
     contenders = _grid(args)
     if cmd == "speed":
         from smcspec.bench.speed import SpeedPlan, run_speed

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from smcspec.config import SDConfig, SMCConfig
+from smcspec.potentials import Power
 
 METHOD_NAMES = ("ar", "sd", "smc", "hf", "hf-assisted")
 
@@ -29,7 +30,10 @@ class Contender:
         if self.method == "sd":
             return f"sd K={self.settings['draft_tokens']}"
         if self.method == "smc":
-            return f"smc N={self.settings['particles']} K={self.settings['draft_tokens']}"
+            label = f"smc N={self.settings['particles']} K={self.settings['draft_tokens']}"
+            if "power_alpha" in self.settings:
+                label += f" power={self.settings['power_alpha']:g}"
+            return label
         return self.method
 
 
@@ -51,8 +55,10 @@ def build_grid(
     smc_n: list[int],
     smc_k: list[int],
     resample_threshold: float = 0.5,
+    smc_power: list[float] | None = None,
 ) -> list[Contender]:
-    """Expand method names over the grids; raise ValueError on an unknown name or bad setting."""
+    """Expand method names over the grids; raise ValueError on an unknown name or bad setting.
+    Each smc (N, K) also runs with Power(alpha) for every alpha in `smc_power`."""
     if not methods:
         raise ValueError("no methods given")
     unknown = [m for m in methods if m not in METHOD_NAMES]
@@ -70,16 +76,15 @@ def build_grid(
             for n in smc_n:
                 for k in smc_k:
                     SMCConfig(n, k, resample_threshold)
-                    out.append(
-                        Contender(
-                            "smc",
-                            {
-                                "particles": n,
-                                "draft_tokens": k,
-                                "resample_threshold": resample_threshold,
-                            },
-                        )
-                    )
+                    base = {
+                        "particles": n,
+                        "draft_tokens": k,
+                        "resample_threshold": resample_threshold,
+                    }
+                    out.append(Contender("smc", base))
+                    for alpha in smc_power or []:
+                        Power(alpha)
+                        out.append(Contender("smc", {**base, "power_alpha": alpha}))
         else:
             out.append(Contender(method))
     return out

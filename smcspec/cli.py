@@ -261,6 +261,10 @@ def summary(method: str, d: dict) -> str:
         )
         if "valid_particles" in d:
             parts.append(f"valid particles {d['valid_particles']}")
+            if d["valid_particles"] == 0:
+                parts.append(
+                    "WARNING: no particle satisfied the potentials; raise -n or --max-new-tokens"
+                )
     parts.append(f"seed {d['seed']}")
     return " | ".join(parts)
 

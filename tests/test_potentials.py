@@ -137,3 +137,19 @@ def test_smc_converges_to_the_exact_conditional_and_masking_does_not(pair, token
     assert set(counts) <= set(exact)
     assert chi_square_pvalue(counts, local) > ALPHA
     assert chi_square_pvalue(counts, exact) < ALPHA
+
+
+def test_lark_grammar_and_json_schema_constraints_mask_alike(tokenizer):
+    grammar = Constraint.lark('start: "ab" "c"? | "ba" "c"?', tokenizer, V)
+    regex = Constraint.regex("(ab|ba)c?", tokenizer, V)
+    for text in ["", "a", "ab", "b", "ba", "abc"]:
+        g, r = grammar.start(), regex.start()
+        for ch in text:
+            g, r = grammar.advance(g, ord(ch) + 1), regex.advance(r, ord(ch) + 1)
+        assert torch.equal(grammar.allowed(g), regex.allowed(r)), text
+    schema = Constraint.json_schema({"type": "boolean"}, tokenizer, V)
+    state = schema.start()
+    for ch in "true":
+        assert schema.allowed(state)[ord(ch) + 1]
+        state = schema.advance(state, ord(ch) + 1)
+    assert schema.log_end(state) == 0.0

@@ -28,6 +28,7 @@ class DenseLinear:
         return F.linear(x, self.weight, self.bias)
 
     reference = __call__
+    banded = __call__
 
 
 class Int8Linear:
@@ -44,6 +45,7 @@ class Int8Linear:
             warnings.simplefilter("ignore", UserWarning)  # quantized tensors are "deprecated"
             qweight = torch._make_per_channel_quantized_tensor(q, scale.double(), zeros, 0)
         self.bias = None if bias is None else bias.float()
+        self.out_features = int(q.shape[0])
         self.packed = torch.ops.quantized.linear_prepack(qweight, None)
         self.reduce_range = reduce_range
 
@@ -55,6 +57,25 @@ class Int8Linear:
         else:
             peak = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-6)  # [..., 1]
             y = _LINEAR_INT8(x / peak, self.packed, self.reduce_range) * peak
+        return y if self.bias is None else y + self.bias
+
+    def banded(self, x: torch.Tensor) -> torch.Tensor:
+        """One row x [1, in] with a huge dynamic range (the attention sink): split it by
+        magnitude into rows whose entries lie within a factor 2 of each other (entries below
+        2^-12 of the peak share the last row) and run those rows through the int8 kernel, each at
+        its own scale; the sum is W x with every entry quantized to within 2/255 of itself, at
+        the cost of one batched call."""
+        x = x.reshape(1, -1).float()
+        mag = x[0].abs()
+        peak = float(mag.max())
+        if peak == 0.0:
+            y = torch.zeros(1, self.out_features)
+        else:
+            band = torch.floor(torch.log2(mag.clamp_min(peak * 2.0**-12) / peak)).clamp_(min=-12)
+            levels = torch.unique(band[mag > 0])  # [n_bands]
+            rows = torch.where(band[None, :] == levels[:, None], x, 0.0)  # [n_bands, in]
+            scale = rows.abs().amax(dim=-1, keepdim=True)  # [n_bands, 1]
+            y = (_LINEAR_INT8(rows / scale, self.packed, self.reduce_range) * scale).sum(0, True)
         return y if self.bias is None else y + self.bias
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:

@@ -73,7 +73,7 @@ class LlamaModel:
     """Weights in `dtype`: "float32", "bfloat16" or "int8" (weights only: activations, norms,
     embeddings and the KV cache stay float32; see `layers.Int8Linear`).
 
-    With int8 weights, position 0 is computed apart, with the de-quantized weights in float:
+    With int8 weights, position 0 is computed apart, its activations split into magnitude bands:
     the first token of a sequence (the attention sink) carries activations hundreds of times
     larger than the rest in a few channels, which int8 activations cannot resolve (measured on
     Qwen2.5-Coder-1.5B: KL 2.9 nats at position 0 against float32, 0.006 elsewhere). Its result
@@ -216,23 +216,25 @@ class LlamaModel:
 
     def _sink(self, token: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Keys, values [layers, kv_heads, D] and next-token logits [V] of `token` at position 0,
-        every linear in its reference (weight-only) form. At position 0 the rotation is the
-        identity and attention sees only the token itself, so its output is its own value."""
+        every linear in its banded form (int8 weights; activations split by magnitude so the
+        sink's outliers keep their precision, see `Int8Linear.banded`). At position 0 the
+        rotation is the identity and attention sees only the token itself, so its output is its
+        own value."""
         c = self.config
         d, nh, nkv = c.head_dim, c.num_heads, c.num_kv_heads
         x = self.embed[token][None]  # [1, H]
         keys, values = [], []
         for layer in self.layers:
-            qkv = layer.qkv.reference(_rms(x, layer.input_norm, c.rms_eps))
+            qkv = layer.qkv.banded(_rms(x, layer.input_norm, c.rms_eps))
             _, k, v = qkv.split([nh * d, nkv * d, nkv * d], dim=-1)
             keys.append(k.view(nkv, d))
             values.append(v.view(nkv, d))
             attended = v.view(nkv, 1, d).expand(nkv, nh // nkv, d).reshape(1, nh * d)
-            x = x + layer.o.reference(attended)
+            x = x + layer.o.banded(attended)
             h = _rms(x, layer.post_norm, c.rms_eps)
-            gate, up = layer.gate_up.reference(h).chunk(2, dim=-1)
-            x = x + layer.down.reference(F.silu(gate) * up)
-        logits = self.lm_head.reference(_rms(x, self.norm, c.rms_eps))[0].float()
+            gate, up = layer.gate_up.banded(h).chunk(2, dim=-1)
+            x = x + layer.down.banded(F.silu(gate) * up)
+        logits = self.lm_head.banded(_rms(x, self.norm, c.rms_eps))[0].float()
         return torch.stack(keys), torch.stack(values), logits
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -59,3 +59,18 @@ def test_make_linear_and_dtypes(weight):
         resolve_dtype("int4", "cpu")
     with pytest.raises(ValueError, match="CPU only"):
         resolve_dtype("int8", "cuda")
+
+
+def test_banded_row_keeps_every_entry_within_its_own_rounding(weight):
+    """A sink-like row (two entries hundreds of times the rest): each entry is quantized within
+    2/255 of itself, so the error is bounded by sum_j |W_ij| 2 |x_j| / 255; the plain path,
+    one scale for the row, wipes out the small entries and lands far outside that bound."""
+    w, b = weight
+    layer = Int8Linear(w, b)
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(3))
+    x[0, 5], x[0, 40] = 400.0, -90.0
+    w_q = (layer.reference(torch.eye(64)) - b).T  # [96, 64]
+    bound = (w_q.abs() * (2 * x.abs() / 255)).sum(1)  # [96]
+    ref = layer.reference(x)[0]
+    assert ((layer.banded(x)[0] - ref).abs() <= bound + 1e-4).all()
+    assert ((layer(x)[0] - ref).abs() > bound).any()

@@ -35,3 +35,7 @@ $bin/smcspec bench roofline "${fp32[@]}" --smc-n 2,4,8 --smc-k 2,4 --speed-resul
 $bin/smcspec bench engine --dtype int8 --backends native,hf --sd-k 4,6 --smc-n 2,4 --smc-k 4,8 \
   --prompts 3 --max-new-tokens 128 --out "$out/engine-int8"
 $bin/smcspec bench fidelity --dtype int8 --out "$out/fidelity-int8"
+# 7. potentials: HumanEval pass@1 with power sampling, and 8. constrained JSON
+$bin/smcspec bench accuracy --methods ar smc --smc-n 4 --smc-k 4 --smc-power 2,4 --limit 20 \
+  --max-new-tokens 384 --temperature 0.7 --out "$out/accuracy-power"
+$bin/smcspec bench json -n 4 -k 4 --reps 2 --max-new-tokens 96 --out "$out/json"

@@ -146,7 +146,6 @@ def _add_bench(sub) -> None:
 
 def _generate(args: argparse.Namespace) -> int:
     from smcspec.config import SamplingConfig, SDConfig, SMCConfig
-    from smcspec.engine import LLM
 
     if not args.prompt.strip():
         raise ValueError("prompt is empty")
@@ -163,14 +162,7 @@ def _generate(args: argparse.Namespace) -> int:
     SDConfig(args.draft_tokens)
     SMCConfig(args.particles, args.draft_tokens, args.resample_threshold, args.resampling)
     potentials = _potential_args(args)
-    llm = LLM(
-        args.target,
-        args.draft,
-        dtype=args.dtype,
-        device=args.device,
-        cache_dir=args.cache_dir,
-        backend=args.backend,
-    )
+    llm = llm_from_args(args)
     result = llm.generate(
         args.prompt,
         args.method,
@@ -194,6 +186,20 @@ def _generate(args: argparse.Namespace) -> int:
         print(result.text)
         print(summary(result.method, result.diagnostics), file=sys.stderr)
     return 0
+
+
+def llm_from_args(args: argparse.Namespace, backend: str | None = None):
+    """The LLM the model options (`_add_model_options`) name; `backend` overrides --backend."""
+    from smcspec.engine import LLM
+
+    return LLM(
+        args.target,
+        args.draft,
+        dtype=args.dtype,
+        device=args.device,
+        cache_dir=args.cache_dir,
+        backend=args.backend if backend is None else backend,
+    )
 
 
 def _potential_args(args: argparse.Namespace) -> dict:

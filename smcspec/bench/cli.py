@@ -31,17 +31,10 @@ def _grid(args: argparse.Namespace):
     )
 
 
-def _llm(args: argparse.Namespace):
-    from smcspec.engine import LLM
+def _llm(args: argparse.Namespace, backend: str | None = None):
+    from smcspec.cli import llm_from_args
 
-    return LLM(
-        args.target,
-        args.draft,
-        dtype=args.dtype,
-        device=args.device,
-        cache_dir=args.cache_dir,
-        backend=args.backend,
-    )
+    return llm_from_args(args, backend)
 
 
 def precision(llm) -> str:
@@ -108,12 +101,10 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def _fidelity(args: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer
-
     from smcspec.bench.fidelity import run_fidelity
     from smcspec.models import defaults, hf
     from smcspec.models.llama import SUPPORTED
-    from smcspec.models.loader import architecture
+    from smcspec.models.loader import architecture, load_tokenizer
 
     if args.new_tokens < 1:
         raise ValueError(f"--new-tokens must be >= 1, got {args.new_tokens}")
@@ -131,18 +122,14 @@ def _fidelity(args: argparse.Namespace) -> int:
                 f"{'/'.join(SUPPORTED)} folder or .gguf"
             )
         specs[role] = spec
-    target = Path(specs["target"])
-    if target.suffix == ".gguf":
-        tokenizer = AutoTokenizer.from_pretrained(str(target.parent), gguf_file=target.name)
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(str(target))
-    print(run_fidelity(specs, tokenizer, args.dtype, args.new_tokens, args.out))
+    print(
+        run_fidelity(specs, load_tokenizer(specs["target"]), args.dtype, args.new_tokens, args.out)
+    )
     return 0
 
 
 def _engine(args: argparse.Namespace, contenders) -> int:
     from smcspec.bench.engine import EnginePlan, run_engine
-    from smcspec.engine import LLM
     from smcspec.models.loader import BACKENDS
 
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
@@ -159,17 +146,7 @@ def _engine(args: argparse.Namespace, contenders) -> int:
         reps=args.reps,
         seed=args.seed,
     )
-    llms = {
-        b: LLM(
-            args.target,
-            args.draft,
-            dtype=args.dtype,
-            device=args.device,
-            cache_dir=args.cache_dir,
-            backend=b,
-        )
-        for b in dict.fromkeys(backends)
-    }
+    llms = {b: _llm(args, b) for b in dict.fromkeys(backends)}
     print(run_engine(llms, plan, args.out))
     return 0
 

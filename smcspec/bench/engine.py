@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from smcspec.bench import machine
 from smcspec.bench.contenders import Contender, run
+from smcspec.bench.report import _fmt
 from smcspec.bench.results import ResultLog, header, measurements
 from smcspec.bench.roofline import time_forward
 from smcspec.bench.speed import prompt_ids
@@ -224,7 +225,7 @@ def _e2e_table(records: list[dict], backends: list[str], plan: dict) -> list[str
         for b in backends:
             for decode_only in (False, True):
                 tps, ar = mean(b, label, decode_only), mean(b, "ar", decode_only)
-                cells += [_num(tps), _num(tps / ar if tps and ar else None)]
+                cells += [_fmt(tps), _fmt(tps / ar if tps and ar else None)]
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {_diagnostics(e2e, label)} |")
     return lines
 
@@ -244,7 +245,3 @@ def _ms(value: float | None) -> str:
     if value is None:
         return "-"
     return f"{value:.1f}" if value >= 1 else f"{value:.3f}"
-
-
-def _num(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"

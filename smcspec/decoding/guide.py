@@ -70,8 +70,3 @@ class Guide:
         """Resampling: particle j becomes a copy of particle source[j]."""
         self.states = [self.potential.copy(self.states[int(a)]) for a in source]
         self.value = self.value[source]
-
-
-def first_finite(logg: torch.Tensor) -> torch.Tensor:
-    """Rows of logg [B, V] that have any finite entry [B] (the others are dead ends)."""
-    return torch.isfinite(logg).any(dim=-1)

@@ -307,8 +307,7 @@ class SMCDecoder:
         token = sampling.sample(logp_first, generator)  # [B]
         pop.tokens[live, g0] = token
         pop.lengths[live] = g0 + 1
-        eos = torch.tensor(sorted(self.target.eos_token_ids))
-        pop.finished[live] = torch.isin(token, eos) if s.stop_at_eos else False
+        pop.finished[live] = torch.isin(token, self._eos(s))
         pop.generated = g0 + 1
 
     def _maybe_resample(

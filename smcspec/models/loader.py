@@ -68,11 +68,19 @@ def load(spec: str, backend: str, dtype: str, device: str) -> tuple[CausalLM, An
     return load_native(spec, dtype, device)
 
 
+def load_tokenizer(spec: str) -> Any:
+    """The tokenizer of a local folder or .gguf file."""
+    from transformers import AutoTokenizer
+
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(str(path))
+
+
 def load_native(spec: str, dtype: str, device: str) -> tuple[CausalLM, Any]:
     """The native Llama-family model on a paged KV cache, from a local safetensors folder or a
     .gguf file."""
-    from transformers import AutoTokenizer
-
     from smcspec.models.hf import collect_ids
     from smcspec.models.llama import SUPPORTED, LlamaModel, NativeCausalLM
 
@@ -90,13 +98,12 @@ def load_native(spec: str, dtype: str, device: str) -> tuple[CausalLM, Any]:
         raise ValueError(
             f"the native backend supports {', '.join(SUPPORTED)}, not {arch!r} (use --backend hf)"
         )
+    tokenizer = load_tokenizer(spec)
     if path.suffix == ".gguf":
         model = LlamaModel.from_gguf(path, dtype)
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         return NativeCausalLM(model, {tokenizer.eos_token_id}), tokenizer
     config = json.loads((path / "config.json").read_text())
     model = LlamaModel.from_folder(path, dtype)
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
     gen_path = path / "generation_config.json"
     gen_eos = json.loads(gen_path.read_text()).get("eos_token_id") if gen_path.exists() else None
     eos = collect_ids(gen_eos, config.get("eos_token_id"), tokenizer.eos_token_id)

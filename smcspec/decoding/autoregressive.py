@@ -9,6 +9,7 @@ from smcspec.config import SamplingConfig
 from smcspec.decoding.base import (
     DecodeResult,
     StageClock,
+    Watch,
     check_prompt,
     pending,
     released,
@@ -32,13 +33,17 @@ class AutoregressiveDecoder:
         self.potential = potential
 
     def decode(
-        self, prompt: list[int], sampling_cfg: SamplingConfig, generator: torch.Generator
+        self,
+        prompt: list[int],
+        sampling_cfg: SamplingConfig,
+        generator: torch.Generator,
+        watch: Watch | None = None,
     ) -> DecodeResult:
         check_prompt(prompt, self.target)
         clock = StageClock()
         seq = torch.tensor([prompt], dtype=torch.long)  # [1, L]
         guide = Guide(self.potential, 1) if self.potential is not None else None
-        dead_end = False
+        dead_end = stopped = False
         with released() as held:
             with clock.stage("prefill"):
                 cache = start_cache(self.target, seq[0], 1, held)
@@ -61,8 +66,11 @@ class AutoregressiveDecoder:
                 seq = torch.cat([seq, torch.tensor([[token]])], dim=1)
                 if sampling_cfg.stop_at_eos and token in self.target.eos_token_ids:
                     break
+                if watch is not None and watch(new):
+                    stopped = True
+                    break
         seconds, split = clock.finish()
-        stats = {}
+        stats: dict = {"stopped": stopped}
         if guide is not None:
             complete = not dead_end and (
                 bool(new and new[-1] in self.target.eos_token_ids and sampling_cfg.stop_at_eos)

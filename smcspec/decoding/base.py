@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -36,9 +36,19 @@ class DecodeResult:
         return len(self.tokens) / self.seconds if self.seconds > 0 else float("inf")
 
 
+Watch = Callable[[list[int]], bool]
+"""Called after every round with the tokens that can no longer change (all committed tokens for
+ar and sd; the particles' common prefix for smc), so callers can stream them. Returning True
+stops decoding: the caller has seen what it needs (a stop string) or no longer wants the rest."""
+
+
 class Decoder(Protocol):
     def decode(
-        self, prompt: list[int], sampling: SamplingConfig, generator: torch.Generator
+        self,
+        prompt: list[int],
+        sampling: SamplingConfig,
+        generator: torch.Generator,
+        watch: Watch | None = None,
     ) -> DecodeResult: ...
 
 

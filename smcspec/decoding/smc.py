@@ -26,6 +26,7 @@ from smcspec.decoding import particles
 from smcspec.decoding.base import (
     DecodeResult,
     StageClock,
+    Watch,
     check_prompt,
     pending,
     released,
@@ -65,6 +66,15 @@ class Population:
     def live(self) -> torch.Tensor:
         return torch.nonzero(~self.finished).squeeze(1)
 
+    def common_prefix(self) -> list[int]:
+        """The tokens every particle shares, finished ones included: whichever particle is drawn
+        at the end starts with them, and resampling only narrows the set, so they only grow."""
+        shortest = int(self.lengths.min())
+        same = (self.tokens[:, :shortest] == self.tokens[:1, :shortest]).all(dim=0)  # [shortest]
+        differ = torch.nonzero(~same)
+        agreed = int(differ[0]) if differ.numel() else shortest
+        return self.tokens[0, :agreed].tolist()
+
     def live_sequences(self, prompt: torch.Tensor) -> torch.Tensor:
         """Prompt + generated tokens of each live particle: [B, L + generated]."""
         live = self.live
@@ -88,7 +98,11 @@ class SMCDecoder:
         self.potential = potential
 
     def decode(
-        self, prompt: list[int], sampling_cfg: SamplingConfig, generator: torch.Generator
+        self,
+        prompt: list[int],
+        sampling_cfg: SamplingConfig,
+        generator: torch.Generator,
+        watch: Watch | None = None,
     ) -> DecodeResult:
         check_prompt(prompt, self.target)
         clock = StageClock()
@@ -103,11 +117,15 @@ class SMCDecoder:
                     start_cache(self.draft, prompt_t, n, held),
                 )
             rounds = 0
+            stopped = False
             while pop.live.numel() > 0 and pop.generated < sampling_cfg.max_new_tokens:
                 self._round(pop, prompt_t, caches, sampling_cfg, generator, clock, guide)
                 rounds += 1
                 if guide is not None and torch.isneginf(pop.log_w).all():
                     break  # every particle died: nothing left to extend
+                if watch is not None and watch(pop.common_prefix()):
+                    stopped = True
+                    break
         if guide is not None:
             self._finish_potential(pop, guide)
         pop.log_z += particles.log_mean_weight(pop.log_w)
@@ -117,6 +135,7 @@ class SMCDecoder:
         seconds, split = clock.finish()
         all_tokens = [pop.tokens[i, : pop.lengths[i]].tolist() for i in range(n)]
         stats = {
+            "stopped": stopped,
             "ess": pop.ess_history,
             "resamples": pop.resamples,
             "collapses": pop.collapses,

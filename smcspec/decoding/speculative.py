@@ -15,6 +15,7 @@ from smcspec.config import SamplingConfig, SDConfig
 from smcspec.decoding.base import (
     DecodeResult,
     StageClock,
+    Watch,
     check_prompt,
     pending,
     released,
@@ -31,7 +32,11 @@ class SpeculativeDecoder:
         self.config = config
 
     def decode(
-        self, prompt: list[int], sampling_cfg: SamplingConfig, generator: torch.Generator
+        self,
+        prompt: list[int],
+        sampling_cfg: SamplingConfig,
+        generator: torch.Generator,
+        watch: Watch | None = None,
     ) -> DecodeResult:
         check_prompt(prompt, self.target)
         clock = StageClock()
@@ -43,7 +48,7 @@ class SpeculativeDecoder:
                 d_cache = start_cache(self.draft, seq[0], 1, held)
             new: list[int] = []
             rounds = proposed = accepted_total = 0
-            done = False
+            done = stopped = False
             while not done and len(new) < s.max_new_tokens:
                 k = min(self.config.draft_tokens, s.max_new_tokens - len(new) - 1)
                 with clock.stage("draft"):
@@ -61,8 +66,11 @@ class SpeculativeDecoder:
                 seq = torch.cat([seq, torch.tensor([block])], dim=1)
                 rollback(t_cache, seq.shape[1])
                 rollback(d_cache, seq.shape[1])
+                if not done and watch is not None and watch(new):
+                    stopped = done = True
         seconds, split = clock.finish()
         stats = {
+            "stopped": stopped,
             "proposed_tokens": proposed,
             "accepted_tokens": accepted_total,
             # None, not NaN, when nothing was drafted (max_new_tokens = 1): JSON has no NaN.

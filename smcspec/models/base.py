@@ -52,3 +52,14 @@ class CausalLM(Protocol):
         """Append tokens [B, T] to every row of `cache` and return next-token logits for the last
         `num_logits` positions: [B, num_logits, V] (position t predicts the token after t)."""
         ...
+
+
+def forward_many(
+    model: CausalLM, calls: list[tuple[torch.Tensor, KVCache, int]]
+) -> list[torch.Tensor]:
+    """`model.forward` for each (tokens, cache, num_logits): in one batched pass when the model
+    has `forward_many` (the native engine), else one call after another."""
+    batched = getattr(model, "forward_many", None)
+    if batched is not None:
+        return batched(calls)
+    return [model.forward(tokens, cache, n) for tokens, cache, n in calls]

@@ -78,6 +78,7 @@ def read(
         "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         "tie_word_embeddings": "lm_head.weight" not in weights,
+        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 4096)),
     }
     return config, weights
 

@@ -58,6 +58,7 @@ class HFCausalLM:
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.eos_token_ids = frozenset(eos_token_ids)
         self.device = next(model.parameters()).device
+        self.context_length = getattr(model.config, "max_position_embeddings", None)
         # transformers renamed `past_key_values` to `cache` in 5.x; accept either release.
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"

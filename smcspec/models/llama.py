@@ -37,6 +37,7 @@ class LlamaConfig:
     rms_eps: float
     qkv_bias: bool
     tie_embeddings: bool
+    max_positions: int = 4096
 
     @classmethod
     def from_hf(cls, cfg: dict) -> LlamaConfig:
@@ -56,6 +57,7 @@ class LlamaConfig:
             rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_positions=int(cfg.get("max_position_embeddings") or 4096),
         )
 
 
@@ -156,6 +158,16 @@ class LlamaModel:
         """Append tokens[b] (1-D, any length) to sequence seqs[b]; return logits of the last
         `num_logits` new positions of every sequence: [B, num_logits, V]. Ragged batch: a sequence
         given fewer than `num_logits` tokens gets zero logits in the leading rows it lacks."""
+        rows = self.forward_ragged(kv, seqs, tokens, [num_logits] * len(seqs))
+        return torch.stack([F.pad(r, (0, 0, num_logits - r.shape[0], 0)) for r in rows])
+
+    @torch.inference_mode()
+    def forward_ragged(
+        self, kv: PagedKVCache, seqs: list[int], tokens: list[torch.Tensor], num_logits: list[int]
+    ) -> list[torch.Tensor]:
+        """As `forward`, with a logits count per sequence: the logits of the last
+        min(len(tokens[b]), num_logits[b]) new positions of sequence b, list of [n_b, V]. One
+        pass over the weights serves every sequence (continuous batching mixes requests)."""
         tokens = list(tokens)
         sinks: dict[int, torch.Tensor] = {}
         if self.dtype == "int8":
@@ -164,7 +176,9 @@ class LlamaModel:
                     sinks[b] = self._write_sink(kv, seq, int(tokens[b][0]))
                     tokens[b] = tokens[b][1:]
         live = [b for b in range(len(seqs)) if tokens[b].numel() > 0]
-        hidden = self._hidden([seqs[b] for b in live], [tokens[b] for b in live], kv, num_logits)
+        hidden = self._hidden(
+            [seqs[b] for b in live], [tokens[b] for b in live], kv, [num_logits[b] for b in live]
+        )
         by_row = {}
         if hidden:
             logits = self.lm_head(torch.cat(hidden)).float()  # [rows kept, V]
@@ -172,16 +186,16 @@ class LlamaModel:
         rows = []
         for b in range(len(seqs)):
             row = by_row.get(b, torch.zeros(0, self.config.vocab_size))  # [n_b, V]
-            if row.shape[0] < num_logits and b in sinks:
+            if row.shape[0] < num_logits[b] and b in sinks:
                 row = torch.cat([sinks[b][None], row])
-            rows.append(F.pad(row, (0, 0, num_logits - row.shape[0], 0)))
-        return torch.stack(rows)  # [B, num_logits, V]
+            rows.append(row)
+        return rows
 
     def _hidden(
-        self, seqs: list[int], tokens: list[torch.Tensor], kv: PagedKVCache, num_logits: int
+        self, seqs: list[int], tokens: list[torch.Tensor], kv: PagedKVCache, num_logits: list[int]
     ) -> list[torch.Tensor]:
         """Run the layers over a ragged batch; the final-normed hidden states of the last
-        min(len(tokens[b]), num_logits) positions of each sequence: list of [n_b, H]."""
+        min(len(tokens[b]), num_logits[b]) positions of each sequence: list of [n_b, H]."""
         if not seqs:
             return []
         c = self.config
@@ -200,7 +214,9 @@ class LlamaModel:
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
         ends = torch.tensor(counts).cumsum(0).tolist()
-        keep = [torch.arange(e - min(n, num_logits), e) for e, n in zip(ends, counts, strict=True)]
+        keep = [
+            torch.arange(e - min(n, m), e) for e, n, m in zip(ends, counts, num_logits, strict=True)
+        ]
         x = _rms(x[torch.cat(keep)], self.norm, c.rms_eps)
         return list(x.split([k.numel() for k in keep]))
 
@@ -367,7 +383,8 @@ class NativeCache:
 
 
 class NativeCausalLM:
-    """`CausalLM` over `LlamaModel`: each new cache draws pages from one shared pool."""
+    """`CausalLM` over `LlamaModel`: each new cache draws pages from one shared pool, and
+    `forward_many` runs the calls of several caches (several requests) as one batch."""
 
     def __init__(
         self, model: LlamaModel, eos_token_ids: set[int], num_pages: int = 4096, page_size: int = 16
@@ -375,13 +392,35 @@ class NativeCausalLM:
         self.model = model
         self.vocab_size = model.config.vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.context_length = model.config.max_positions
         self.kv = model.new_kv(num_pages, page_size)
+        self.pages = self.kv.allocator
 
     def new_cache(self) -> NativeCache:
         return NativeCache(self.kv)
 
     def forward(self, tokens: torch.Tensor, cache: NativeCache, num_logits: int) -> torch.Tensor:
-        if cache.length == 0 and tokens.shape[0] != cache.batch_size:
-            cache.select(torch.zeros(tokens.shape[0], dtype=torch.long))
-        assert tokens.shape[0] == cache.batch_size, "one row of tokens per cache row"
-        return self.model.forward(self.kv, cache.rows, list(tokens), num_logits)
+        return self.forward_many([(tokens, cache, num_logits)])[0]
+
+    def forward_many(
+        self, calls: list[tuple[torch.Tensor, NativeCache, int]]
+    ) -> list[torch.Tensor]:
+        """`forward` for each (tokens [B_c, T_c], cache, num_logits_c), in one pass over the
+        weights; returns each call's logits [B_c, num_logits_c, V]."""
+        seqs: list[int] = []
+        rows: list[torch.Tensor] = []
+        wants: list[int] = []
+        for tokens, cache, num_logits in calls:
+            if cache.length == 0 and tokens.shape[0] != cache.batch_size:
+                cache.select(torch.zeros(tokens.shape[0], dtype=torch.long))
+            assert tokens.shape[0] == cache.batch_size, "one row of tokens per cache row"
+            seqs += cache.rows
+            rows += list(tokens)
+            wants += [num_logits] * tokens.shape[0]
+        logits = self.model.forward_ragged(self.kv, seqs, rows, wants)
+        out, start = [], 0
+        for tokens, _, num_logits in calls:
+            mine = logits[start : start + tokens.shape[0]]
+            out.append(torch.stack([F.pad(r, (0, 0, num_logits - r.shape[0], 0)) for r in mine]))
+            start += tokens.shape[0]
+        return out

@@ -124,6 +124,7 @@ def write_gguf(path, hf, quant=None, arch="qwen2"):
         names.update({f"model.layers.{i}.{v}": f"blk.{i}.{k}" for k, v in _LAYER.items()})
     w = gguf.GGUFWriter(str(path), arch)
     c = hf.config
+    w.add_context_length(c.max_position_embeddings)
     w.add_block_count(c.num_hidden_layers)
     w.add_embedding_length(c.hidden_size)
     w.add_feed_forward_length(c.intermediate_size)
@@ -226,7 +227,7 @@ def test_int8_position_zero_is_computed_apart_and_memoized(tmp_path_factory, pai
     a = int8.forward(kv_a, [kv_a.new_sequence()], [torch.tensor([7])], 1)
     b = dequantized.forward(kv_b, [kv_b.new_sequence()], [torch.tensor([7])], 1)
     plain_seq = kv_a.new_sequence()
-    plain = int8.lm_head(int8._hidden([plain_seq], [torch.tensor([7])], kv_a, 1)[0])
+    plain = int8.lm_head(int8._hidden([plain_seq], [torch.tensor([7])], kv_a, [1])[0])
     assert (a - b).abs().max() < (plain - b).abs().max()  # precise bound: test_layers
     second = kv_a.new_sequence()
     c = int8.forward(kv_a, [second], [torch.tensor([7, 3, 9])], 3)

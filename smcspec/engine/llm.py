@@ -17,6 +17,7 @@ import torch
 
 from smcspec.config import SamplingConfig, SDConfig, SMCConfig, check_method
 from smcspec.decoding import AutoregressiveDecoder, DecodeResult, SMCDecoder, SpeculativeDecoder
+from smcspec.decoding.base import Watch
 from smcspec.models.base import CausalLM
 from smcspec.potentials import Constraint, Potential, Power, Product, Reward
 
@@ -35,6 +36,30 @@ class GenerationResult:
         if self.particle_texts is not None:
             out["particle_texts"] = self.particle_texts
         return out
+
+
+@dataclass(frozen=True)
+class Request:
+    """One checked generation request: the prompt's token ids and every decoding setting."""
+
+    prompt_ids: list[int]
+    method: str
+    sampling: SamplingConfig
+    smc: SMCConfig
+    sd: SDConfig
+    potential: Potential | None
+    seed: int
+
+    def kv_rows(self) -> tuple[int, int]:
+        """Sequences this request keeps in the target's and the draft's KV cache."""
+        if self.method == "smc":
+            return self.smc.particles, self.smc.particles
+        return (1, 1) if self.method == "sd" else (1, 0)
+
+    def max_length(self) -> int:
+        """The longest a sequence can get: prompt, new tokens, and a round of drafts past them."""
+        lookahead = self.smc.draft_tokens if self.method != "ar" else 0
+        return len(self.prompt_ids) + self.sampling.max_new_tokens + lookahead
 
 
 class LLM:
@@ -125,6 +150,23 @@ class LLM:
         prompt: str | list[int],
         method: str = "smc",
         *,
+        watch: Watch | None = None,
+        **settings: Any,
+    ) -> GenerationResult:
+        """Generate from the target p, or from p(x) phi(x) / Z where phi is the product of the
+        potentials given: `power_alpha` (p^alpha over whole sequences), `regex` / `json_schema` /
+        `grammar` (Lark) constraints, `reward(text) -> float` as exp(reward_beta * r) (every
+        `reward_every` tokens as a twist, else at the end), and any `potential` object. smc
+        samples that target; ar applies power and constraints locally (the naive, biased way);
+        sd supports none of them. The settings are those of `Request` (see `plan`); `watch`
+        sees the tokens fixed so far after every round (see `decoding.base.Watch`)."""
+        return self.run(self.plan(prompt, method, **settings), watch=watch)
+
+    def plan(
+        self,
+        prompt: str | list[int],
+        method: str = "smc",
+        *,
         particles: int = 8,
         draft_tokens: int = 4,
         resample_threshold: float = 0.5,
@@ -145,13 +187,9 @@ class LLM:
         reward_beta: float = 1.0,
         reward_every: int | None = None,
         potential: Potential | None = None,
-    ) -> GenerationResult:
-        """Generate from the target p, or from p(x) phi(x) / Z where phi is the product of the
-        potentials given: `power_alpha` (p^alpha over whole sequences), `regex` / `json_schema` /
-        `grammar` (Lark) constraints, `reward(text) -> float` as exp(reward_beta * r) (every
-        `reward_every` tokens as a twist, else at the end), and any `potential` object. smc
-        samples that target; ar applies power and constraints locally (the naive, biased way);
-        sd supports none of them."""
+    ) -> Request:
+        """Check every setting and encode the prompt, loading nothing and running nothing: a
+        `Request` that `run` executes. Bad settings raise ValueError naming the field."""
         check_method(method)
         potential = self.build_potential(
             power_alpha, regex, json_schema, grammar, reward, reward_beta, reward_every, potential
@@ -163,21 +201,30 @@ class LLM:
         sampling_cfg = SamplingConfig(
             temperature, top_k, top_p, max_new_tokens, stop_at_eos, seed, draft_temperature
         )
-        if method == "smc":
-            decoder = SMCDecoder(
-                self.target,
-                self.draft,
-                SMCConfig(particles, draft_tokens, resample_threshold, resampling),
-                potential,
-            )
-        elif method == "sd":
-            decoder = SpeculativeDecoder(self.target, self.draft, SDConfig(draft_tokens))
-        else:
-            decoder = AutoregressiveDecoder(self.target, potential)
+        smc = SMCConfig(particles, draft_tokens, resample_threshold, resampling)
+        sd = SDConfig(draft_tokens)
         ids = self.encode(prompt, chat)
         seed = secrets.randbits(63) if seed is None else seed
-        result = decoder.decode(ids, sampling_cfg, torch.Generator().manual_seed(seed))
-        return self._package(result, method, seed, len(ids))
+        return Request(ids, method, sampling_cfg, smc, sd, potential, seed)
+
+    def run(
+        self,
+        request: Request,
+        models: tuple[CausalLM, CausalLM] | None = None,
+        watch: Watch | None = None,
+    ) -> GenerationResult:
+        """Decode `request`. `models` replaces (target, draft), e.g. by views that batch their
+        forward passes with other requests' (see `engine.scheduler`)."""
+        target, draft = models if models is not None else (self.target, self.draft)
+        if request.method == "smc":
+            decoder = SMCDecoder(target, draft, request.smc, request.potential)
+        elif request.method == "sd":
+            decoder = SpeculativeDecoder(target, draft, request.sd)
+        else:
+            decoder = AutoregressiveDecoder(target, request.potential)
+        generator = torch.Generator().manual_seed(request.seed)
+        result = decoder.decode(request.prompt_ids, request.sampling, generator, watch)
+        return self._package(result, request.method, request.seed, len(request.prompt_ids))
 
     def build_potential(
         self,

@@ -1,0 +1,256 @@
+"""Continuous batching: concurrent requests share forward passes.
+
+Each admitted job runs its decoder in a thread of its own, against views of the models whose
+`forward` hands the call to the scheduler and waits. Once every running job is waiting (or has
+finished), the scheduler runs all waiting calls to the same model as ONE batched pass
+(`models.base.forward_many`) and wakes the jobs with their logits. A job is therefore any
+function of the model views: the scheduler knows nothing about the algorithm, only how many KV
+pages a job may need at most, which decides admission.
+
+    step:  wait until no job is computing -> one forward per model over all waiting calls -> wake
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from smcspec.models.base import CausalLM, KVCache, forward_many
+
+
+class Cancelled(Exception):
+    """The job was cancelled (its client went away or asked to stop)."""
+
+
+class Job:
+    """One unit of work (a request's decode) and its outcome as a `Future`.
+
+    `work(views)` gets one view per scheduled model, in the scheduler's order, and returns the
+    result. `pages[m]` is the most KV pages the job can hold in model m's pool.
+    """
+
+    def __init__(self, work: Callable[[tuple[CausalLM, ...]], Any], pages: Sequence[int]) -> None:
+        self.work = work
+        self.pages = tuple(pages)
+        self.future: Future = Future()
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        """Stop the job at its next forward pass; its pages are freed as its decoder unwinds."""
+        self._cancelled.set()
+        self.future.cancel()  # only succeeds while the job is still queued
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+
+@dataclass
+class _Call:
+    model: int
+    tokens: torch.Tensor  # [B, T]
+    cache: KVCache
+    num_logits: int
+    done: threading.Event = field(default_factory=threading.Event)
+    logits: torch.Tensor | None = None  # [B, num_logits, V]
+    error: BaseException | None = None
+
+
+class _View:
+    """A job's `CausalLM` view of model `index`: forward passes go through the scheduler."""
+
+    def __init__(self, scheduler: Scheduler, index: int, job: Job) -> None:
+        model = scheduler.models[index]
+        self.vocab_size = model.vocab_size
+        self.eos_token_ids = model.eos_token_ids
+        self.new_cache = model.new_cache
+        self._scheduler, self._index, self._job = scheduler, index, job
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache, num_logits: int) -> torch.Tensor:
+        if self._job.cancelled:
+            raise Cancelled("the request was cancelled")
+        return self._scheduler._call(_Call(self._index, tokens, cache, num_logits))
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since start: forward passes per model, rows they carried, jobs by outcome."""
+
+    forwards: list[int]
+    rows: list[int]
+    finished: int = 0
+    failed: int = 0
+    cancelled: int = 0
+
+
+class Scheduler:
+    """Runs jobs over `models` (e.g. (target, draft)) with continuous batching.
+
+    Admission: a job starts when at most `max_running` jobs run and, for every model with a
+    page pool (`model.pages`, a `kv.pages.PageAllocator`), the pages reserved by running jobs
+    plus its own fit in the pool; otherwise it waits in a first-come queue. Models without a
+    pool are only limited by `max_running`.
+    """
+
+    def __init__(self, models: Sequence[CausalLM], max_running: int = 64) -> None:
+        if max_running < 1:
+            raise ValueError(f"max_running must be >= 1, got {max_running}")
+        self.models = tuple(models)
+        self.max_running = max_running
+        self.stats = SchedulerStats([0] * len(self.models), [0] * len(self.models))
+        self._cond = threading.Condition()
+        self._queue: deque[Job] = deque()
+        self._running: set[Job] = set()
+        self._computing = 0  # running jobs not waiting on a forward pass
+        self._calls: list[_Call] = []
+        self._reserved = [0] * len(self.models)
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="smcspec-scheduler", daemon=True)
+        self._thread.start()
+
+    # -- public -----------------------------------------------------------------------------
+
+    def capacity(self, index: int) -> int | None:
+        """Pages in model `index`'s pool, None when it has none."""
+        pool = getattr(self.models[index], "pages", None)
+        return None if pool is None else pool.num_pages
+
+    def submit(self, job: Job) -> Job:
+        """Queue `job`; it starts as soon as admission allows. A job that could never fit (more
+        pages than a pool holds) is refused with ValueError."""
+        for i, need in enumerate(job.pages):
+            cap = self.capacity(i)
+            if cap is not None and need > cap:
+                raise ValueError(
+                    f"the request needs up to {need} KV pages of model {i}, the pool has {cap}: "
+                    "ask for fewer tokens or particles"
+                )
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("the scheduler is shut down")
+            self._queue.append(job)
+            self._admit()
+        return job
+
+    @property
+    def queued(self) -> int:
+        with self._cond:
+            return len(self._queue)
+
+    @property
+    def running(self) -> int:
+        with self._cond:
+            return len(self._running)
+
+    def shutdown(self) -> None:
+        """Cancel everything and stop the scheduler thread."""
+        with self._cond:
+            self._stopping = True
+            for job in list(self._running) + list(self._queue):
+                job.cancel()
+            for job in self._queue:
+                job.future.cancel()
+            self._queue.clear()
+            self._cond.notify_all()
+        self._thread.join(timeout=30)
+
+    # -- jobs -------------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        """Start queued jobs in order while they fit (caller holds the lock)."""
+        while self._queue and len(self._running) < self.max_running:
+            job = self._queue[0]
+            if job.future.cancelled():
+                self._queue.popleft()
+                self.stats.cancelled += 1
+                continue
+            if not self._fits(job):
+                return
+            self._queue.popleft()
+            if not job.future.set_running_or_notify_cancel():
+                self.stats.cancelled += 1
+                continue
+            self._running.add(job)
+            self._reserved = [r + p for r, p in zip(self._reserved, job.pages, strict=True)]
+            self._computing += 1
+            threading.Thread(target=self._run, args=(job,), daemon=True).start()
+
+    def _fits(self, job: Job) -> bool:
+        for i, need in enumerate(job.pages):
+            cap = self.capacity(i)
+            if cap is not None and self._reserved[i] + need > cap:
+                return False
+        return True
+
+    def _run(self, job: Job) -> None:
+        views = tuple(_View(self, i, job) for i in range(len(self.models)))
+        try:
+            result = job.work(views)
+        except BaseException as err:  # handed to whoever waits on the future
+            job.future.set_exception(err)
+            outcome = "cancelled" if isinstance(err, Cancelled) else "failed"
+        else:
+            job.future.set_result(result)
+            outcome = "finished"
+        with self._cond:
+            setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
+            self._running.discard(job)
+            self._reserved = [r - p for r, p in zip(self._reserved, job.pages, strict=True)]
+            self._computing -= 1
+            self._admit()
+            self._cond.notify_all()
+
+    def _call(self, call: _Call) -> torch.Tensor:
+        with self._cond:
+            if self._stopping:
+                raise Cancelled("the server is shutting down")
+            self._calls.append(call)
+            self._computing -= 1
+            self._cond.notify_all()
+        call.done.wait()
+        if call.error is not None:
+            raise call.error
+        assert call.logits is not None
+        return call.logits
+
+    # -- batching ---------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._stopping or (self._calls and not self._computing))
+                calls, self._calls = self._calls, []
+                if self._stopping:
+                    for call in calls:
+                        call.error = Cancelled("the server is shutting down")
+                        call.done.set()
+                    return
+            self._execute(calls)
+            with self._cond:
+                self._computing += len(calls)
+            for call in calls:
+                call.done.set()
+
+    def _execute(self, calls: list[_Call]) -> None:
+        """One batched forward per model over its waiting calls. If a pass fails, every call
+        in it fails with the error (each job then unwinds and frees its pages)."""
+        for index, model in enumerate(self.models):
+            mine = [c for c in calls if c.model == index]
+            if not mine:
+                continue
+            try:
+                logits = forward_many(model, [(c.tokens, c.cache, c.num_logits) for c in mine])
+            except Exception as err:
+                for c in mine:
+                    c.error = err
+                continue
+            self.stats.forwards[index] += 1
+            self.stats.rows[index] += sum(c.tokens.shape[0] for c in mine)
+            for c, out in zip(mine, logits, strict=True):
+                c.logits = out

@@ -1,0 +1,75 @@
+"""Shared fixtures: a tiny random Qwen2 model with its own word-level tokenizer (and a chat
+template that joins the messages), saved to a local folder, so both backends, the engine and the
+server are tested without any download."""
+
+import pytest
+import torch
+
+WORDS = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(61)]  # 64 tokens
+
+
+def save_tiny_model(folder, seed: int = 0, words=WORDS, arch: str = "qwen2") -> None:
+    """arch "qwen2" or "llama". Text prompts need "llama": transformers 5 loads a qwen2 folder's
+    tokenizer as its own byte-level BPE class, which this word-level vocabulary does not fit."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        PreTrainedTokenizerFast,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    vocab = {w: i for i, w in enumerate(words)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    )
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    config_class, model_class = {
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "llama": (LlamaConfig, LlamaForCausalLM),
+    }[arch]
+    config = config_class(
+        vocab_size=len(words),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        eos_token_id=1,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model_class(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-target")
+    save_tiny_model(folder, seed=0)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-draft")
+    save_tiny_model(folder, seed=1)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama-target")
+    save_tiny_model(folder, seed=0, arch="llama")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_draft_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama-draft")
+    save_tiny_model(folder, seed=1, arch="llama")
+    return folder

@@ -1,0 +1,138 @@
+"""Continuous batching: requests that share forward passes get exactly what they get alone."""
+
+import threading
+
+import pytest
+import torch
+
+from smcspec import LLM
+from smcspec.engine.scheduler import Cancelled, Job, Scheduler
+from smcspec.models.llama import NativeCausalLM
+
+SETTINGS = [
+    dict(method="ar", seed=1, max_new_tokens=12),
+    dict(method="sd", seed=2, draft_tokens=3, max_new_tokens=14),
+    dict(method="smc", seed=3, particles=4, draft_tokens=2, max_new_tokens=11),
+    dict(method="smc", seed=4, particles=2, draft_tokens=5, max_new_tokens=16, temperature=1.0),
+    dict(method="ar", seed=5, max_new_tokens=3),
+    dict(method="smc", seed=6, particles=3, draft_tokens=1, max_new_tokens=9, top_k=5),
+]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_folder, tiny_llama_draft_folder):
+    target, draft = str(tiny_llama_folder), str(tiny_llama_draft_folder)
+    return LLM(target, draft, backend="native", dtype="float32")
+
+
+def small_pool(llm: LLM, pages: int) -> LLM:
+    """The same weights over page pools of `pages` pages of 4 positions."""
+
+    def pool(m):
+        return NativeCausalLM(m.model, set(m.eos_token_ids), num_pages=pages, page_size=4)
+
+    return LLM.from_models(pool(llm.target), pool(llm.draft), llm.tokenizer)
+
+
+def job(llm: LLM, request, page_size: int = 16) -> Job:
+    rows = request.kv_rows()
+    pages = [r * (-(-request.max_length() // page_size) + 1) for r in rows]
+    return Job(lambda views: llm.run(request, views), pages)
+
+
+def test_batched_requests_decode_exactly_as_alone(llm):
+    requests = [llm.plan("w1 w2 w3 w4", stop_at_eos=False, **s) for s in SETTINGS]
+    alone = [llm.run(r).token_ids for r in requests]
+    scheduler = Scheduler((llm.target, llm.draft))
+    try:
+        jobs = [scheduler.submit(job(llm, r)) for r in requests]
+        together = [j.future.result(timeout=60).token_ids for j in jobs]
+    finally:
+        scheduler.shutdown()
+    assert together == alone
+    forwards, rows = scheduler.stats.forwards[0], scheduler.stats.rows[0]
+    calls_alone = sum(len(r.prompt_ids) > 1 for r in requests) + sum(
+        -(-s["max_new_tokens"] // (s.get("draft_tokens", 0) + 1)) for s in SETTINGS
+    )
+    assert forwards < calls_alone, "requests must share target passes"
+    assert rows / forwards > 1.5
+
+
+def test_forward_many_matches_separate_forwards(llm):
+    model = llm.target
+    caches = [model.new_cache() for _ in range(3)]
+    prompts = [torch.tensor([[3, 4, 5, 6]]), torch.tensor([[7, 8]] * 2), torch.tensor([[9]] * 3)]
+    alone = [model.forward(p, c, 1) for p, c in zip(prompts, caches, strict=True)]
+    again = [model.new_cache() for _ in range(3)]
+    together = model.forward_many([(p, c, n) for p, c, n in zip(prompts, again, (1, 2, 1))])
+    for a, t in zip(alone, together, strict=True):
+        torch.testing.assert_close(t[:, -1], a[:, -1], atol=1e-5, rtol=1e-5)
+    steps = [torch.tensor([[10, 11, 12]]), torch.tensor([[13], [14]]), torch.tensor([[15]] * 3)]
+    alone = [model.forward(s, c, s.shape[1]) for s, c in zip(steps, caches, strict=True)]
+    together = model.forward_many([(s, c, s.shape[1]) for s, c in zip(steps, again, strict=True)])
+    for a, t in zip(alone, together, strict=True):
+        torch.testing.assert_close(t, a, atol=1e-5, rtol=1e-5)
+    for c in caches + again:
+        c.release()
+    assert model.pages.used_pages == 0
+
+
+def test_requests_wait_for_pages_and_all_pages_come_back(llm):
+    small = small_pool(llm, pages=40)
+    requests = [small.plan("w1 w2", stop_at_eos=False, **s) for s in SETTINGS]
+    alone = [small.run(r).token_ids for r in requests]
+    scheduler = Scheduler((small.target, small.draft))
+    peak = 0
+    try:
+        jobs = [scheduler.submit(job(small, r, page_size=4)) for r in requests]
+        # Each smc request reserves up to 4 x (20/4 + 1) = 24 pages: they cannot all run at once.
+        assert scheduler.queued > 0
+        while not all(j.future.done() for j in jobs):
+            peak = max(peak, small.target.pages.used_pages)
+            threading.Event().wait(0.001)
+        together = [j.future.result().token_ids for j in jobs]
+    finally:
+        scheduler.shutdown()
+    assert together == alone
+    assert peak <= 40
+    assert small.target.pages.used_pages == 0 and small.draft.pages.used_pages == 0
+
+
+def test_a_request_larger_than_the_pool_is_refused(llm):
+    small = small_pool(llm, pages=10)
+    scheduler = Scheduler((small.target, small.draft))
+    try:
+        request = small.plan("w1", method="smc", particles=8, max_new_tokens=40)
+        with pytest.raises(ValueError, match="KV pages"):
+            scheduler.submit(job(small, request, page_size=4))
+    finally:
+        scheduler.shutdown()
+
+
+def test_cancelled_and_failing_jobs_free_their_pages_and_spare_the_others(llm):
+    scheduler = Scheduler((llm.target, llm.draft))
+    long = llm.plan("w1 w2", method="smc", particles=4, max_new_tokens=100, stop_at_eos=False)
+    fine = llm.plan("w3", method="sd", max_new_tokens=20, stop_at_eos=False, seed=9)
+    started = threading.Event()
+
+    def watched(views):
+        return llm.run(long, views, watch=lambda tokens: started.set() or False)
+
+    def broken(views):
+        llm.run(fine, views, watch=lambda tokens: 1 / 0)
+
+    try:
+        victim = scheduler.submit(Job(watched, [100, 100]))
+        bad = scheduler.submit(Job(broken, [10, 10]))
+        good = scheduler.submit(job(llm, fine))
+        started.wait(30)
+        victim.cancel()
+        with pytest.raises(Cancelled):
+            victim.future.result(timeout=30)
+        with pytest.raises(ZeroDivisionError):
+            bad.future.result(timeout=30)
+        assert good.future.result(timeout=30).token_ids == llm.run(fine).token_ids
+    finally:
+        scheduler.shutdown()
+    assert llm.target.pages.used_pages == 0 and llm.draft.pages.used_pages == 0
+    assert (scheduler.stats.cancelled, scheduler.stats.failed) == (1, 1)

@@ -64,7 +64,9 @@ def test_forward_many_matches_separate_forwards(llm):
     prompts = [torch.tensor([[3, 4, 5, 6]]), torch.tensor([[7, 8]] * 2), torch.tensor([[9]] * 3)]
     alone = [model.forward(p, c, 1) for p, c in zip(prompts, caches, strict=True)]
     again = [model.new_cache() for _ in range(3)]
-    together = model.forward_many([(p, c, n) for p, c, n in zip(prompts, again, (1, 2, 1))])
+    together = model.forward_many(
+        [(p, c, n) for p, c, n in zip(prompts, again, (1, 2, 1), strict=True)]
+    )
     for a, t in zip(alone, together, strict=True):
         torch.testing.assert_close(t[:, -1], a[:, -1], atol=1e-5, rtol=1e-5)
     steps = [torch.tensor([[10, 11, 12]]), torch.tensor([[13], [14]]), torch.tensor([[15]] * 3)]

@@ -51,8 +51,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_serve(sub)
     _add_bench(sub)
     return parser
+
+
+def _add_serve(sub) -> None:
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--model-name", default=None, help="the model id clients send (default: the target's)"
+    )
+    serve.add_argument("--method", choices=METHODS, default="smc", help="default for requests")
+    serve.add_argument("-n", "--particles", type=int, default=8, help="default N (8)")
+    serve.add_argument("-k", "--draft-tokens", type=int, default=4, help="default K (4)")
+    serve.add_argument("--resample-threshold", type=float, default=0.5)
+    serve.add_argument("--resampling", choices=RESAMPLING_SCHEMES, default="systematic")
+    serve.add_argument("--temperature", type=float, default=1.0, help="default (OpenAI's: 1)")
+    serve.add_argument(
+        "--max-tokens", type=int, default=128, help="default when a request gives none"
+    )
+    serve.add_argument(
+        "--max-running", type=int, default=64, help="requests decoded at once; others queue"
+    )
+    _add_model_options(serve)
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
@@ -188,6 +211,35 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from smcspec.server.app import ServeDefaults, create_app
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    llm = llm_from_args(args)
+    defaults = ServeDefaults(
+        model_name=args.model_name or llm.names[0],
+        method=args.method,
+        particles=args.particles,
+        draft_tokens=args.draft_tokens,
+        resample_threshold=args.resample_threshold,
+        resampling=args.resampling,
+        temperature=args.temperature,
+        max_tokens=args.max_tokens,
+        max_running=args.max_running,
+    )
+    app = create_app(llm, defaults)
+    print(
+        f"smcspec: serving {defaults.model_name!r} ({llm.backend}, {llm.dtype}) on "
+        f"http://{args.host}:{args.port}/v1",
+        file=sys.stderr,
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
 def llm_from_args(args: argparse.Namespace, backend: str | None = None):
     """The LLM the model options (`_add_model_options`) name; `backend` overrides --backend."""
     from smcspec.engine import LLM
@@ -281,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "serve":
+            return _serve(args)
         if args.command == "bench":
             from smcspec.bench.cli import run_bench
 

@@ -140,6 +140,19 @@ class LLM:
             raise ValueError("prompt is empty")
         return ids
 
+    def encode_messages(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a chat (role/content dicts) through the tokenizer's chat template, ready
+        for the assistant's reply."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template: use completions with a prompt")
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if not ids:
+            raise ValueError("messages are empty")
+        return ids
+
     def decode_text(self, ids: list[int]) -> str:
         if self.tokenizer is None:
             return " ".join(str(t) for t in ids)
@@ -251,7 +264,7 @@ class LLM:
                 raise ValueError(f"{kind} needs a tokenizer (this LLM has none)")
             build = {"regex": Constraint.regex, "json_schema": Constraint.json_schema}
             make = build.get(kind, Constraint.lark)
-            parts.append(make(text, self.tokenizer, self.target.vocab_size))
+            parts.append(make(text, self._guidance_tokenizer(), self.target.vocab_size))
         if reward is not None:
             if not callable(reward):
                 raise ValueError(f"reward must be a function of the text, got {reward!r}")
@@ -262,6 +275,16 @@ class LLM:
         if not parts:
             return None
         return parts[0] if len(parts) == 1 else Product(parts)
+
+    def _guidance_tokenizer(self) -> Any:
+        """llguidance's view of the tokenizer, built once (a second for a 152k vocabulary)."""
+        if getattr(self, "_ll_tokenizer", None) is None:
+            import llguidance.hf
+
+            self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                self.tokenizer, n_vocab=self.target.vocab_size
+            )
+        return self._ll_tokenizer
 
     def _package(
         self, result: DecodeResult, method: str, seed: int, prompt_len: int

@@ -121,6 +121,17 @@ class Scheduler:
         pool = getattr(self.models[index], "pages", None)
         return None if pool is None else pool.num_pages
 
+    def pages_for(self, rows: Sequence[int], max_length: int) -> list[int]:
+        """The most pages a job can hold with rows[m] sequences of up to `max_length` positions
+        in model m's pool: a page per page_size positions per row, plus one per row for the
+        copy-on-write of a shared last page (prefix sharing only makes the need smaller)."""
+        out = []
+        for model, n in zip(self.models, rows, strict=True):
+            kv = getattr(model, "kv", None)
+            size = getattr(kv, "page_size", None)
+            out.append(0 if size is None or n == 0 else n * (-(-max_length // size) + 1))
+        return out
+
     def submit(self, job: Job) -> Job:
         """Queue `job`; it starts as soon as admission allows. A job that could never fit (more
         pages than a pool holds) is refused with ValueError."""

@@ -34,9 +34,8 @@ def small_pool(llm: LLM, pages: int) -> LLM:
     return LLM.from_models(pool(llm.target), pool(llm.draft), llm.tokenizer)
 
 
-def job(llm: LLM, request, page_size: int = 16) -> Job:
-    rows = request.kv_rows()
-    pages = [r * (-(-request.max_length() // page_size) + 1) for r in rows]
+def job(scheduler: Scheduler, llm: LLM, request) -> Job:
+    pages = scheduler.pages_for(request.kv_rows(), request.max_length())
     return Job(lambda views: llm.run(request, views), pages)
 
 
@@ -45,7 +44,7 @@ def test_batched_requests_decode_exactly_as_alone(llm):
     alone = [llm.run(r).token_ids for r in requests]
     scheduler = Scheduler((llm.target, llm.draft))
     try:
-        jobs = [scheduler.submit(job(llm, r)) for r in requests]
+        jobs = [scheduler.submit(job(scheduler, llm, r)) for r in requests]
         together = [j.future.result(timeout=60).token_ids for j in jobs]
     finally:
         scheduler.shutdown()
@@ -86,7 +85,7 @@ def test_requests_wait_for_pages_and_all_pages_come_back(llm):
     scheduler = Scheduler((small.target, small.draft))
     peak = 0
     try:
-        jobs = [scheduler.submit(job(small, r, page_size=4)) for r in requests]
+        jobs = [scheduler.submit(job(scheduler, small, r)) for r in requests]
         # Each smc request reserves up to 4 x (20/4 + 1) = 24 pages: they cannot all run at once.
         assert scheduler.queued > 0
         while not all(j.future.done() for j in jobs):
@@ -106,7 +105,7 @@ def test_a_request_larger_than_the_pool_is_refused(llm):
     try:
         request = small.plan("w1", method="smc", particles=8, max_new_tokens=40)
         with pytest.raises(ValueError, match="KV pages"):
-            scheduler.submit(job(small, request, page_size=4))
+            scheduler.submit(job(scheduler, small, request))
     finally:
         scheduler.shutdown()
 
@@ -126,7 +125,7 @@ def test_cancelled_and_failing_jobs_free_their_pages_and_spare_the_others(llm):
     try:
         victim = scheduler.submit(Job(watched, [100, 100]))
         bad = scheduler.submit(Job(broken, [10, 10]))
-        good = scheduler.submit(job(llm, fine))
+        good = scheduler.submit(job(scheduler, llm, fine))
         started.wait(30)
         victim.cancel()
         with pytest.raises(Cancelled):

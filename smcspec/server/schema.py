@@ -1,0 +1,135 @@
+"""Request bodies of the OpenAI-compatible API, with smcspec's decoding settings as extra fields
+(named as on the CLI). Unknown fields are refused, so a typo never passes silently; OpenAI fields
+that smcspec does not implement are accepted only at their neutral value."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from smcspec.config import RESAMPLING_SCHEMES
+
+MAX_STOPS = 4
+MAX_CHOICES = 16
+Resampling = Literal[RESAMPLING_SCHEMES]  # type: ignore[valid-type]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": ...}."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema object")
+        return self
+
+
+class GenerationFields(BaseModel):
+    """What completions and chat completions share."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1 - MAX_CHOICES)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    user: str | None = None
+    # OpenAI fields smcspec does not implement: only their neutral values.
+    frequency_penalty: float | None = Field(None, ge=0, le=0)
+    presence_penalty: float | None = Field(None, ge=0, le=0)
+    logit_bias: dict[str, float] | None = Field(None, max_length=0)
+    logprobs: Any = None
+    response_format: ResponseFormat | None = None
+    # smcspec's own settings, named as on the CLI.
+    method: Literal["ar", "sd", "smc"] | None = None
+    particles: int | None = Field(None, ge=1, le=64)
+    draft_tokens: int | None = Field(None, ge=1, le=32)
+    resample_threshold: float | None = Field(None, ge=0, le=1)
+    resampling: Resampling | None = None
+    power_alpha: float | None = Field(None, gt=0, le=64)
+    draft_temperature: float | None = Field(None, ge=0, le=2)
+    top_k: int | None = Field(None, ge=0)
+    ignore_eos: bool = False
+    return_particles: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> GenerationFields:
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOPS:
+            raise ValueError(f"stop takes at most {MAX_STOPS} strings")
+        if self.logprobs not in (None, False, 0):
+            raise ValueError("logprobs is not supported")
+        return self
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def stops(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class CompletionRequest(GenerationFields):
+    prompt: str | list[str] | list[int] = Field(..., min_length=1)
+    echo: bool = Field(False, description="not supported: must be false")
+    suffix: str | None = Field(None, max_length=0)
+    best_of: int | None = Field(None, ge=1, le=1)
+
+    @model_validator(mode="after")
+    def _no_echo(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo is not supported")
+        return self
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatRequest(GenerationFields):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens

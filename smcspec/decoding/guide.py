@@ -33,7 +33,9 @@ class Guide:
     def shaped(self, particles: list[int], logr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(log g [B, V], log normalizer [B]) for z = alpha log r + log mask, per particle's
         state. A row whose mask allows nothing comes back all -inf with normalizer -inf."""
-        z = logr * self.alpha if self.alpha != 1.0 else logr.clone()
+        z = logr.clone()
+        if self.alpha != 1.0:  # log 0 stays -inf (an alpha that underflows to 0 gives NaN)
+            z = torch.where(torch.isneginf(logr), logr, logr * self.alpha)
         if self.potential.has_mask:
             for row, i in enumerate(particles):
                 mask = self.potential.allowed(self.states[i])

@@ -204,3 +204,19 @@ def test_reward_is_refused_by_ar_and_bad_settings_are_value_errors(pair):
         Reward(count_twos, beta=float("nan"))
     with pytest.raises(ValueError, match="every"):
         Reward(count_twos, every=0)
+
+
+@pytest.mark.parametrize("alpha", [5e-324, 1e-45, 0.5, 64.0])
+def test_shaping_keeps_zero_probabilities_zero_at_any_alpha(alpha):
+    """log 0 * alpha must stay -inf: an alpha that underflows to 0 in float32 made it NaN, and
+    sampling from a NaN law returned an index past the vocabulary (found by fuzzing the
+    server with a greedy draft and power_alpha=5e-324)."""
+    from smcspec import sampling
+    from smcspec.decoding.guide import Guide
+
+    logr = sampling.log_probs(torch.tensor([[0.3, 2.0, -1.0, 0.5]]), temperature=0)  # greedy
+    logg, norm = Guide(Power(alpha), 1).shaped([0], logr)
+    assert not torch.isnan(logg).any() and torch.isfinite(norm).all()
+    assert torch.equal(torch.isneginf(logg), torch.isneginf(logr))
+    token = sampling.sample(logg, torch.Generator().manual_seed(0))
+    assert int(token) == 1

@@ -44,11 +44,13 @@ def _keep_top_k(scaled: torch.Tensor, k: int) -> torch.Tensor:
 
 def _keep_top_p(scaled: torch.Tensor, top_p: float) -> torch.Tensor:
     # Keep token i (in descending order) while the mass strictly before it is < top_p, so the
-    # token that crosses top_p stays in.
+    # token that crosses top_p stays in; the most likely token always stays (a top_p below
+    # float32's smallest number would otherwise keep nothing).
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
     keep_sorted = mass_before < top_p
+    keep_sorted[..., 0] = True
     keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
     return scaled.masked_fill(~keep, NEG_INF)
 

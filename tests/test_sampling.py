@@ -40,6 +40,12 @@ def test_top_p_keeps_the_token_that_crosses_the_threshold():
     assert probs(only_first) == [1.0, 0.0, 0.0, 0.0]
 
 
+def test_a_vanishing_top_p_still_keeps_the_most_likely_token():
+    """5e-324 rounds to 0 in float32; nothing was kept and the law was NaN (server fuzzing)."""
+    for top_p in (5e-324, 1e-40, 1e-9):
+        assert probs(sampling.log_probs(LOGITS, 1.0, top_p=top_p)) == [1.0, 0.0, 0.0, 0.0]
+
+
 def test_top_k_then_top_p_on_renormalized_mass():
     # after top-k=3 the masses are 0.665, 0.245, 0.090: 0.91 is already >= 0.9, not >= 0.92
     two = sampling.log_probs(LOGITS, 1.0, top_k=3, top_p=0.9).exp()

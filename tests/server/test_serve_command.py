@@ -1,0 +1,73 @@
+"""`smcspec serve` as a user starts it: a subprocess on a free port, then the openai client."""
+
+import socket
+import subprocess
+import sys
+import time
+
+import requests
+from openai import OpenAI
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_command_answers_the_openai_client(tiny_llama_folder, tiny_llama_draft_folder):
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "smcspec",
+        "serve",
+        "--port",
+        str(port),
+        "--target",
+        str(tiny_llama_folder),
+        "--draft",
+        str(tiny_llama_draft_folder),
+        "--dtype",
+        "float32",
+        "--model-name",
+        "tiny-pair",
+        "--method",
+        "sd",
+        "--max-tokens",
+        "6",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        end = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if requests.get(url + "/health", timeout=2).ok:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert time.monotonic() < end, "the server did not come up"
+            time.sleep(0.2)
+        client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        out = client.chat.completions.create(
+            model="tiny-pair", messages=[{"role": "user", "content": "w1 w2"}]
+        )
+        assert out.choices[0].message.content
+        assert out.usage.completion_tokens <= 6  # the server's --max-tokens default
+        assert out.choices[0].smcspec["method"] == "sd"  # the server's --method default
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_serve_rejects_a_bad_port_before_loading_anything():
+    out = subprocess.run(
+        [sys.executable, "-m", "smcspec", "serve", "--port", "70000"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2
+    assert "--port" in out.stderr

@@ -162,6 +162,16 @@ def _add_bench(sub) -> None:
     js.add_argument("--out", default="bench-results")
     js.add_argument("--methods", nargs="+", default=["ar", "smc"], help=argparse.SUPPRESS)
     _add_model_options(js)
+    srv = bsub.add_parser("serve", help="the HTTP server under 1..C concurrent clients")
+    srv.add_argument(
+        "--methods", default="ar,sd K=4,smc N=2 K=8,smc N=4 K=4", help="comma-separated"
+    )
+    srv.add_argument("--concurrency", default="1,4,16", help="client counts, comma-separated")
+    srv.add_argument("--requests", type=int, default=16, help="requests per level")
+    srv.add_argument("--max-tokens", type=int, default=32, help="new tokens per request")
+    srv.add_argument("--temperature", type=float, default=0.7)
+    srv.add_argument("--out", default="bench-results")
+    _add_model_options(srv)
     rep = bsub.add_parser("report", help="tables and plots from result files")
     rep.add_argument("--out", default="bench-results")
     rep.add_argument("--accuracy-files", nargs="*", default=[], help="more accuracy.jsonl files")

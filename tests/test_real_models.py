@@ -139,3 +139,30 @@ def test_constrained_outputs_parse_on_the_default_pair(llm):
         regex="[0-9]+",
     )
     assert re.fullmatch("[0-9]+", out.text), out.text
+
+
+def test_server_streams_schema_constrained_json_on_the_default_pair(llm):
+    """The OpenAI client against `smcspec serve` on the real pair: a chat reply streamed under
+    response_format json_schema parses and fits the schema, and streaming adds up to it."""
+    from smcspec.bench.constrained import PROMPTS, SCHEMA, fits_schema
+    from smcspec.server.app import ServeDefaults
+    from tests.server.conftest import serve
+
+    handle, server, thread = serve(llm, ServeDefaults("qwen", particles=2, draft_tokens=3))
+    try:
+        fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+        stream = handle.client().chat.completions.create(
+            model="qwen",
+            messages=[{"role": "user", "content": PROMPTS[0]}],
+            max_tokens=64,
+            seed=0,
+            stream=True,
+            response_format=fmt,
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in stream)
+        assert fits_schema(text), text
+        handle.wait_idle()
+        assert llm.target.pages.used_pages == 0
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

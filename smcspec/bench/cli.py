@@ -48,6 +48,8 @@ def run_bench(args: argparse.Namespace) -> int:
         return _report(args)
     if cmd == "fidelity":
         return _fidelity(args)
+    if cmd == "serve":
+        return _serve(args)
     if cmd == "json":
         from smcspec.bench.constrained import run_json
         from smcspec.config import SMCConfig
@@ -98,6 +100,26 @@ def run_bench(args: argparse.Namespace) -> int:
     if cmd == "engine":
         return _engine(args, contenders)
     return _roofline(args, contenders)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from smcspec.bench.serving import ServePlan, run_serve_bench
+
+    plan = ServePlan(
+        methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
+        concurrency=tuple(parse_ints(args.concurrency, "--concurrency")),
+        requests=args.requests,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+    )
+    serve_args = ["--dtype", args.dtype, "--device", args.device, "--backend", args.backend]
+    for flag, value in (("--target", args.target), ("--draft", args.draft)):
+        if value is not None:
+            serve_args += [flag, value]
+    if args.cache_dir is not None:
+        serve_args += ["--cache-dir", args.cache_dir]
+    print(run_serve_bench(plan, serve_args, args.out))
+    return 0
 
 
 def _fidelity(args: argparse.Namespace) -> int:

@@ -6,7 +6,7 @@ from smcspec import LLM
 from smcspec.bench.contenders import build_grid
 from smcspec.bench.engine import EnginePlan, run_engine
 from smcspec.bench.results import measurements
-from tests.models.conftest import save_tiny_model
+from tests.conftest import save_tiny_model
 
 
 @pytest.fixture(scope="module")

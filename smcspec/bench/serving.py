@@ -1,0 +1,260 @@
+"""`smcspec bench serve`: the HTTP server under 1..C concurrent streaming clients.
+
+One `smcspec serve` subprocess (the model options given), then for each method and each
+concurrency level the same R chat requests (the first R HumanEval prompts, fixed output length,
+EOS ignored), C clients at a time. Concurrency 1 is the same requests served one at a time.
+Reported per level: requests/s, tokens/s, latency, time to first streamed token, target rows per
+batched forward pass (from /metrics), and the method's diagnostics.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from smcspec.bench.prompts import chat_text, humaneval_problems
+from smcspec.bench.report import _fmt
+from smcspec.bench.results import ResultLog, header, measurements
+
+MODEL_NAME = "bench"
+METHODS = {
+    "ar": {"method": "ar"},
+    "sd K=4": {"method": "sd", "draft_tokens": 4},
+    "smc N=2 K=8": {"method": "smc", "particles": 2, "draft_tokens": 8},
+    "smc N=4 K=4": {"method": "smc", "particles": 4, "draft_tokens": 4},
+}
+
+
+@dataclass(frozen=True)
+class ServePlan:
+    methods: tuple[str, ...] = tuple(METHODS)
+    concurrency: tuple[int, ...] = (1, 4, 16)
+    requests: int = 16
+    max_tokens: int = 32
+    temperature: float = 0.7
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown:
+            raise ValueError(f"unknown methods {unknown}: choose from {', '.join(METHODS)}")
+        if not self.concurrency or min(self.concurrency) < 1:
+            raise ValueError("--concurrency needs levels >= 1")
+        if self.requests < 1 or self.max_tokens < 1:
+            raise ValueError("--requests and --max-tokens must be >= 1")
+
+
+def run_serve_bench(
+    plan: ServePlan, serve_args: list[str], out: str | Path, prompts: list[str] | None = None
+) -> str:
+    """Measure every (method, concurrency) not yet in out/serve.jsonl; return the table.
+    `prompts` (user messages) default to the first `plan.requests` HumanEval problems."""
+    out = Path(out)
+    if prompts is None:
+        prompts = [chat_text(p) for p in humaneval_problems(0, plan.requests)]
+    if len(prompts) != plan.requests:
+        raise ValueError(f"{plan.requests} requests need as many prompts, got {len(prompts)}")
+    bodies = [_body(p, plan) for p in prompts]
+    port = _free_port()
+    proc = _start([*serve_args, "--max-running", str(max(plan.concurrency))], port)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        info = _wait_ready(url, proc)
+        log = ResultLog(out / "serve.jsonl", {"server": info, "plan": plan.__dict__})
+        for label in plan.methods:
+            for c in plan.concurrency:
+                key = f"{label}|{c}"
+                if log.has(key):
+                    continue
+                extra = METHODS[label]
+                record = _level(url, [{**b, **extra} for b in bodies], c)
+                log.add(key, {"method": label, "concurrency": c, **record})
+                print(f"[serve] {label} x{c}: {_fmt(record['tokens_per_second'])} tok/s")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    table = report(out / "serve.jsonl")
+    (out / "serve.md").write_text(table)
+    return table
+
+
+def _body(prompt: str, plan: ServePlan) -> dict:
+    return {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": plan.max_tokens,
+        "temperature": plan.temperature,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(serve_args: list[str], port: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "smcspec", "serve", "--port", str(port)]
+    cmd += ["--model-name", MODEL_NAME, *serve_args]
+    return subprocess.Popen(cmd)
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 1800) -> dict:
+    import requests
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"smcspec serve exited with code {proc.returncode}")
+        try:
+            return requests.get(url + "/health", timeout=5).json()
+        except requests.ConnectionError:
+            time.sleep(1)
+    raise RuntimeError("smcspec serve did not come up")
+
+
+def _level(url: str, bodies: list[dict], concurrency: int) -> dict[str, Any]:
+    """All `bodies`, `concurrency` clients at a time; wall clock over the whole level."""
+    before = _scrape(url)
+    pending = list(reversed(bodies))
+    lock = threading.Lock()
+    done: list[dict] = []
+
+    def client() -> None:
+        while True:
+            with lock:
+                if not pending:
+                    return
+                body = pending.pop()
+            result = _one(url, body)
+            with lock:
+                done.append(result)
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    after = _scrape(url)
+    tokens = sum(r["tokens"] for r in done)
+    latency = sorted(r["latency"] for r in done)
+    ttft = [r["ttft"] for r in done if r["ttft"] is not None]
+    passes = after["forwards"] - before["forwards"]
+    return {
+        "requests": len(done),
+        "seconds": wall,
+        "requests_per_second": len(done) / wall,
+        "tokens": tokens,
+        "tokens_per_second": tokens / wall,
+        "latency_mean": statistics.fmean(latency),
+        "latency_p95": latency[min(len(latency) - 1, int(0.95 * len(latency)))],
+        "ttft_mean": statistics.fmean(ttft) if ttft else None,
+        "ttft_median": statistics.median(ttft) if ttft else None,
+        "target_passes": passes,
+        "rows_per_target_pass": (after["rows"] - before["rows"]) / passes if passes else None,
+        **_diagnostics([r["diagnostics"] for r in done]),
+    }
+
+
+def _one(url: str, body: dict) -> dict[str, Any]:
+    """One streamed chat request: latency, time to the first text, tokens, diagnostics."""
+    import requests
+
+    start = time.perf_counter()
+    ttft, tokens, diagnostics = None, 0, {}
+    path = url + "/v1/chat/completions"
+    with requests.post(path, json=body, stream=True, timeout=3600) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
+        for line in r.iter_lines(decode_unicode=True):
+            if not line or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            if "error" in chunk:
+                raise RuntimeError(f"server error: {chunk['error']['message']}")
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            for choice in chunk["choices"]:
+                if ttft is None and choice["delta"].get("content"):
+                    ttft = time.perf_counter() - start
+                if "smcspec" in choice:
+                    diagnostics = choice["smcspec"]["diagnostics"]
+    return {
+        "latency": time.perf_counter() - start,
+        "ttft": ttft,
+        "tokens": tokens,
+        "diagnostics": diagnostics,
+    }
+
+
+def _diagnostics(all_diags: list[dict]) -> dict[str, float | None]:
+    """Means over requests: sd acceptance; smc ESS / N and resamples per request."""
+    acceptance = [d["acceptance_rate"] for d in all_diags if d.get("acceptance_rate") is not None]
+    ess = [
+        statistics.fmean(d["ess"]) / len(d["weights"])
+        for d in all_diags
+        if d.get("ess") and d.get("weights")
+    ]
+    resamples = [d["resamples"] for d in all_diags if "resamples" in d]
+    return {
+        "acceptance": statistics.fmean(acceptance) if acceptance else None,
+        "ess_fraction": statistics.fmean(ess) if ess else None,
+        "resamples": statistics.fmean(resamples) if resamples else None,
+    }
+
+
+def _scrape(url: str) -> dict[str, float]:
+    import requests
+
+    values = {"forwards": 0.0, "rows": 0.0}
+    for line in requests.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith('smcspec_forward_passes_total{model="target"}'):
+            values["forwards"] = float(line.rsplit(" ", 1)[1])
+        if line.startswith('smcspec_forward_rows_total{model="target"}'):
+            values["rows"] = float(line.rsplit(" ", 1)[1])
+    return values
+
+
+def report(path: str | Path) -> str:
+    """Markdown table of serve.jsonl: one row per (method, concurrency)."""
+    head = header(path)
+    rows = measurements(path)
+    plan = head.get("plan", {})
+    lines = [
+        "# smcspec serve under concurrent clients",
+        "",
+        f"Server: {head.get('server', {}).get('model', '?')}; {plan.get('requests')} chat "
+        f"requests (first HumanEval prompts), {plan.get('max_tokens')} new tokens each (EOS "
+        f"ignored), T={plan.get('temperature')}, streamed; C clients at a time. Concurrency 1 "
+        "is the same requests served one at a time. x = tokens/s over the method's own "
+        "concurrency-1 row.",
+        "",
+        "| method | C | req/s | tok/s | x | latency mean / p95 (s) | TTFT mean / median (s) "
+        "| target rows/pass | acceptance | ESS/N | resamples/req |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    base = {r["method"]: r["tokens_per_second"] for r in rows if r["concurrency"] == 1}
+    for r in rows:
+        one = base.get(r["method"])
+        speedup = r["tokens_per_second"] / one if one else None
+        lines.append(
+            f"| {r['method']} | {r['concurrency']} | {_fmt(r['requests_per_second'])} "
+            f"| {_fmt(r['tokens_per_second'])} | {_fmt(speedup)} "
+            f"| {_fmt(r['latency_mean'])} / {_fmt(r['latency_p95'])} "
+            f"| {_fmt(r['ttft_mean'])} / {_fmt(r['ttft_median'])} "
+            f"| {_fmt(r['rows_per_target_pass'])} | {_fmt(r['acceptance'])} "
+            f"| {_fmt(r['ess_fraction'])} | {_fmt(r['resamples'])} |"
+        )
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,31 @@
+"""`smcspec bench serve` end to end on the tiny pair: every level measured, batching visible."""
+
+from smcspec.bench.results import measurements
+from smcspec.bench.serving import ServePlan, run_serve_bench
+
+
+def test_serve_bench_measures_every_level_and_resumes(
+    tmp_path, tiny_llama_folder, tiny_llama_draft_folder
+):
+    plan = ServePlan(methods=("ar", "smc N=2 K=8"), concurrency=(1, 3), requests=3, max_tokens=5)
+    serve_args = ["--target", str(tiny_llama_folder), "--draft", str(tiny_llama_draft_folder)]
+    serve_args += ["--dtype", "float32"]
+    prompts = ["w1 w2", "w3 w4 w5", "w6"]
+    table = run_serve_bench(plan, serve_args, tmp_path, prompts)
+    rows = measurements(tmp_path / "serve.jsonl")
+    assert [(r["method"], r["concurrency"]) for r in rows] == [
+        ("ar", 1),
+        ("ar", 3),
+        ("smc N=2 K=8", 1),
+        ("smc N=2 K=8", 3),
+    ]
+    for r in rows:
+        assert r["requests"] == 3 and r["tokens"] == 15
+        assert r["tokens_per_second"] > 0 and r["ttft_mean"] is not None
+    ar1, ar3 = rows[0], rows[1]
+    assert ar1["rows_per_target_pass"] < ar3["rows_per_target_pass"]
+    assert rows[2]["ess_fraction"] is not None and rows[2]["acceptance"] is None
+    assert table.count("\n| ") == 5  # header row + 4 levels
+    assert (tmp_path / "serve.md").read_text() == table
+    again = run_serve_bench(plan, serve_args, tmp_path, prompts)  # all done: nothing reruns
+    assert again == table and len(measurements(tmp_path / "serve.jsonl")) == 4

@@ -75,6 +75,12 @@ def _add_serve(sub) -> None:
     serve.add_argument(
         "--max-running", type=int, default=64, help="requests decoded at once; others queue"
     )
+    serve.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=256,
+        help="tokens per forward pass; longer prompts are prefilled in pieces (256: CPU)",
+    )
     _add_model_options(serve)
 
 
@@ -239,6 +245,7 @@ def _serve(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         max_tokens=args.max_tokens,
         max_running=args.max_running,
+        max_batch_tokens=args.max_batch_tokens,
     )
     app = create_app(llm, defaults)
     print(

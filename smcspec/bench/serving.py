@@ -3,8 +3,9 @@
 One `smcspec serve` subprocess (the model options given), then for each method and each
 concurrency level the same R chat requests (the first R HumanEval prompts, fixed output length,
 EOS ignored), C clients at a time. Concurrency 1 is the same requests served one at a time.
-Reported per level: requests/s, tokens/s, latency, time to first streamed token, target rows per
-batched forward pass (from /metrics), and the method's diagnostics.
+A warm-up request per method runs first and is not counted. Reported per level: requests/s,
+tokens/s, latency, time to first streamed token, target rows per batched forward pass and the
+share of time spent in passes (from /metrics), and the method's diagnostics.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ def run_serve_bench(
         info = _wait_ready(url, proc)
         log = ResultLog(out / "serve.jsonl", {"server": info, "plan": plan.__dict__})
         for label in plan.methods:
+            _one(url, {**bodies[0], **METHODS[label]})  # warm-up, not counted
             for c in plan.concurrency:
                 key = f"{label}|{c}"
                 if log.has(key):
@@ -149,6 +151,8 @@ def _level(url: str, bodies: list[dict], concurrency: int) -> dict[str, Any]:
     wall = time.perf_counter() - start
     after = _scrape(url)
     tokens = sum(r["tokens"] for r in done)
+    prompt_tokens = sum(r["prompt_tokens"] for r in done)
+    in_passes = sum(after[k] - before[k] for k in ("target_seconds", "draft_seconds"))
     latency = sorted(r["latency"] for r in done)
     ttft = [r["ttft"] for r in done if r["ttft"] is not None]
     passes = after["forwards"] - before["forwards"]
@@ -158,6 +162,8 @@ def _level(url: str, bodies: list[dict], concurrency: int) -> dict[str, Any]:
         "requests_per_second": len(done) / wall,
         "tokens": tokens,
         "tokens_per_second": tokens / wall,
+        "prompt_tokens": prompt_tokens,
+        "forward_share": in_passes / wall,
         "latency_mean": statistics.fmean(latency),
         "latency_p95": latency[min(len(latency) - 1, int(0.95 * len(latency)))],
         "ttft_mean": statistics.fmean(ttft) if ttft else None,
@@ -173,7 +179,7 @@ def _one(url: str, body: dict) -> dict[str, Any]:
     import requests
 
     start = time.perf_counter()
-    ttft, tokens, diagnostics = None, 0, {}
+    ttft, tokens, prompt_tokens, diagnostics = None, 0, 0, {}
     path = url + "/v1/chat/completions"
     with requests.post(path, json=body, stream=True, timeout=3600) as r:
         if r.status_code != 200:
@@ -186,6 +192,7 @@ def _one(url: str, body: dict) -> dict[str, Any]:
                 raise RuntimeError(f"server error: {chunk['error']['message']}")
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
+                prompt_tokens = chunk["usage"]["prompt_tokens"]
             for choice in chunk["choices"]:
                 if ttft is None and choice["delta"].get("content"):
                     ttft = time.perf_counter() - start
@@ -195,6 +202,7 @@ def _one(url: str, body: dict) -> dict[str, Any]:
         "latency": time.perf_counter() - start,
         "ttft": ttft,
         "tokens": tokens,
+        "prompt_tokens": prompt_tokens,
         "diagnostics": diagnostics,
     }
 
@@ -218,12 +226,17 @@ def _diagnostics(all_diags: list[dict]) -> dict[str, float | None]:
 def _scrape(url: str) -> dict[str, float]:
     import requests
 
-    values = {"forwards": 0.0, "rows": 0.0}
+    wanted = {
+        'smcspec_forward_passes_total{model="target"}': "forwards",
+        'smcspec_forward_rows_total{model="target"}': "rows",
+        'smcspec_forward_seconds_total{model="target"}': "target_seconds",
+        'smcspec_forward_seconds_total{model="draft"}': "draft_seconds",
+    }
+    values = dict.fromkeys(wanted.values(), 0.0)
     for line in requests.get(url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith('smcspec_forward_passes_total{model="target"}'):
-            values["forwards"] = float(line.rsplit(" ", 1)[1])
-        if line.startswith('smcspec_forward_rows_total{model="target"}'):
-            values["rows"] = float(line.rsplit(" ", 1)[1])
+        name, _, value = line.rpartition(" ")
+        if name in wanted:
+            values[wanted[name]] = float(value)
     return values
 
 
@@ -239,11 +252,14 @@ def report(path: str | Path) -> str:
         f"requests (first HumanEval prompts), {plan.get('max_tokens')} new tokens each (EOS "
         f"ignored), T={plan.get('temperature')}, streamed; C clients at a time. Concurrency 1 "
         "is the same requests served one at a time. x = tokens/s over the method's own "
-        "concurrency-1 row.",
+        "concurrency-1 row. prompt tok/s: prompt tokens prefilled per second of the level. "
+        "in passes: share of the wall time spent inside batched forward passes (the rest is "
+        "per-request sampling, scheduling and HTTP).",
         "",
-        "| method | C | req/s | tok/s | x | latency mean / p95 (s) | TTFT mean / median (s) "
-        "| target rows/pass | acceptance | ESS/N | resamples/req |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| method | C | req/s | tok/s | x | prompt tok/s | latency mean / p95 (s) "
+        "| TTFT mean / median (s) | target rows/pass | in passes | acceptance | ESS/N "
+        "| resamples/req |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     base = {r["method"]: r["tokens_per_second"] for r in rows if r["concurrency"] == 1}
     for r in rows:
@@ -252,9 +268,11 @@ def report(path: str | Path) -> str:
         lines.append(
             f"| {r['method']} | {r['concurrency']} | {_fmt(r['requests_per_second'])} "
             f"| {_fmt(r['tokens_per_second'])} | {_fmt(speedup)} "
+            f"| {_fmt(r['prompt_tokens'] / r['seconds'])} "
             f"| {_fmt(r['latency_mean'])} / {_fmt(r['latency_p95'])} "
             f"| {_fmt(r['ttft_mean'])} / {_fmt(r['ttft_median'])} "
-            f"| {_fmt(r['rows_per_target_pass'])} | {_fmt(r['acceptance'])} "
+            f"| {_fmt(r['rows_per_target_pass'])} | {_fmt(r['forward_share'])} "
+            f"| {_fmt(r['acceptance'])} "
             f"| {_fmt(r['ess_fraction'])} | {_fmt(r['resamples'])} |"
         )
     return "\n".join(lines) + "\n"

@@ -52,12 +52,13 @@ class Int8Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # fbgemm picks one activation scale per call; rescaling every row to the same peak
         # first makes that scale per row (per token), so one loud row cannot drown the rest.
+        # In place on the output: for a long prefill it is the largest tensor of the layer.
         if x.numel() == x.shape[-1]:  # one row: its own scale already
             y = _LINEAR_INT8(x, self.packed, self.reduce_range)
         else:
-            peak = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-6)  # [..., 1]
-            y = _LINEAR_INT8(x / peak, self.packed, self.reduce_range) * peak
-        return y if self.bias is None else y + self.bias
+            peak = x.abs().amax(dim=-1, keepdim=True).clamp_min_(1e-6)  # [..., 1]
+            y = _LINEAR_INT8(x / peak, self.packed, self.reduce_range).mul_(peak)
+        return y if self.bias is None else y.add_(self.bias)
 
     def banded(self, x: torch.Tensor) -> torch.Tensor:
         """One row x [1, in] with a huge dynamic range (the attention sink): split it by

@@ -58,6 +58,7 @@ class ServeDefaults:
     temperature: float = 1.0
     max_tokens: int = 128
     max_running: int = 64
+    max_batch_tokens: int = 256
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -82,7 +83,9 @@ class Server:
     def __init__(self, llm: LLM, defaults: ServeDefaults) -> None:
         self.llm = llm
         self.defaults = defaults
-        self.scheduler = Scheduler((llm.target, llm.draft), defaults.max_running)
+        self.scheduler = Scheduler(
+            (llm.target, llm.draft), defaults.max_running, defaults.max_batch_tokens
+        )
         self.metrics = ServerMetrics(self.scheduler)
         self.context_length = getattr(llm.target, "context_length", None)
         self.created = int(time.time())

@@ -107,6 +107,9 @@ class _Live:
         rows = CounterMetricFamily(
             "smcspec_forward_rows", "sequences carried by the batched passes", labels=["model"]
         )
+        seconds = CounterMetricFamily(
+            "smcspec_forward_seconds", "time in batched forward passes", labels=["model"]
+        )
         for i, name in enumerate(MODEL_NAMES[: len(s.models)]):
             pool = getattr(s.models[i], "pages", None)
             if pool is not None:
@@ -114,7 +117,8 @@ class _Live:
                 free.add_metric([name], pool.free_pages)
             passes.add_metric([name], s.stats.forwards[i])
             rows.add_metric([name], s.stats.rows[i])
-        yield from (used, free, passes, rows)
+            seconds.add_metric([name], s.stats.seconds[i])
+        yield from (used, free, passes, rows, seconds)
         proposed, accepted = m.sd_totals()
         yield CounterMetricFamily("smcspec_sd_proposed_tokens", "sd drafts checked", proposed)
         yield CounterMetricFamily("smcspec_sd_accepted_tokens", "sd drafts accepted", accepted)

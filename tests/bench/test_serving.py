@@ -22,6 +22,7 @@ def test_serve_bench_measures_every_level_and_resumes(
     for r in rows:
         assert r["requests"] == 3 and r["tokens"] == 15
         assert r["tokens_per_second"] > 0 and r["ttft_mean"] is not None
+        assert 0 < r["forward_share"] <= 1 and r["prompt_tokens"] > 0
     ar1, ar3 = rows[0], rows[1]
     assert ar1["rows_per_target_pass"] < ar3["rows_per_target_pass"]
     assert rows[2]["ess_fraction"] is not None and rows[2]["acceptance"] is None

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from smcspec import LLM
-from smcspec.engine.scheduler import Cancelled, Job, Scheduler
+from smcspec.engine.scheduler import Cancelled, Job, Scheduler, _Call
 from smcspec.models.llama import NativeCausalLM
 
 SETTINGS = [
@@ -55,6 +55,44 @@ def test_batched_requests_decode_exactly_as_alone(llm):
     )
     assert forwards < calls_alone, "requests must share target passes"
     assert rows / forwards > 1.5
+
+
+def test_long_prompts_run_in_pieces_and_decode_exactly_as_alone(llm):
+    """Chunked prefill: with room for 4 tokens a pass, 12-token prompts run over several passes
+    while the other requests keep decoding; every request still gets exactly its tokens."""
+    prompt = " ".join(f"w{i}" for i in range(10, 22))
+    requests = [llm.plan(prompt, stop_at_eos=False, **s) for s in SETTINGS]
+    alone = [llm.run(r).token_ids for r in requests]
+    scheduler = Scheduler((llm.target, llm.draft), max_batch_tokens=4)
+    try:
+        jobs = [scheduler.submit(job(scheduler, llm, r)) for r in requests]
+        together = [j.future.result(timeout=60).token_ids for j in jobs]
+    finally:
+        scheduler.shutdown()
+    assert together == alone
+    # 6 prompts of 11 cached tokens at <= 4 tokens a pass: at least 17 passes for them alone
+    assert scheduler.stats.forwards[0] >= 17
+    assert llm.target.pages.used_pages == 0
+
+
+def test_pieces_are_oldest_first_within_the_token_budget(llm):
+    scheduler = Scheduler((llm.target,), max_batch_tokens=10)
+    try:
+        cache = llm.target.new_cache()
+        prompt = _Call(0, torch.ones(1, 25, dtype=torch.long), cache, 1)
+        step = _Call(0, torch.ones(3, 2, dtype=torch.long), cache, 2)
+        pieces = [(c is prompt, a, b) for c, a, b in scheduler._pieces([prompt, step])]
+        assert pieces == [(True, 0, 10)]  # the prompt came first and fills the pass
+        prompt.fed = 24
+        pieces = [(c is prompt, a, b) for c, a, b in scheduler._pieces([prompt, step])]
+        assert pieces == [(True, 24, 25), (False, 0, 2)]
+        big = _Call(0, torch.ones(8, 5, dtype=torch.long), cache, 5)  # 40 tokens, unsplittable
+        pieces = [(c is big, a, b) for c, a, b in scheduler._pieces([big, step])]
+        assert pieces == [(True, 0, 5)]  # the oldest call always runs, whole
+        pieces = [(c is big, a, b) for c, a, b in scheduler._pieces([step, big])]
+        assert pieces == [(False, 0, 2)]  # no room left for it in this pass
+    finally:
+        scheduler.shutdown()
 
 
 def test_forward_many_matches_separate_forwards(llm):

@@ -95,7 +95,8 @@ class SchedulerStats:
 
 
 class Scheduler:
-    """Runs jobs over `models` (e.g. (target, draft)) with continuous batching.
+    """Runs jobs over `models` (most expensive first, e.g. (target, draft)) with continuous
+    batching.
 
     Admission: a job starts when at most `max_running` jobs run and, for every model with a
     page pool (`model.pages`, a `kv.pages.PageAllocator`), the pages reserved by running jobs
@@ -268,35 +269,33 @@ class Scheduler:
                 call.done.set()
 
     def _execute(self, calls: list[_Call]) -> list[_Call]:
-        """One batched forward per model over (pieces of) its waiting calls; returns the calls
-        now complete. If a pass fails, every call in it fails with the error (each job then
-        unwinds and frees its pages)."""
+        """One batched forward over (pieces of) the waiting calls of one model; returns the
+        calls now complete. The model is the last in `models` that has waiting calls: the
+        cheap draft runs first, so jobs gather at the expensive target and share its pass
+        (a job's draft phase is at most a few calls, so the target always comes). If the pass
+        fails, every call in it fails with the error (each job then unwinds, freeing pages)."""
+        index = max(c.model for c in calls)
+        pieces = self._pieces([c for c in calls if c.model == index])
+        feeds = [
+            (c.tokens[:, a:b], c.cache, c.num_logits if b == c.tokens.shape[1] else 1)
+            for c, a, b in pieces
+        ]
+        start = time.perf_counter()
+        try:
+            logits = forward_many(self.models[index], feeds)
+        except Exception as err:
+            for c, _, _ in pieces:
+                c.error, c.finished = err, True
+            return [c for c, _, _ in pieces]
+        self.stats.seconds[index] += time.perf_counter() - start
+        self.stats.forwards[index] += 1
+        self.stats.rows[index] += sum(c.tokens.shape[0] for c, _, _ in pieces)
         finished = []
-        for index, model in enumerate(self.models):
-            pieces = self._pieces([c for c in calls if c.model == index])
-            if not pieces:
-                continue
-            feeds = [
-                (c.tokens[:, a:b], c.cache, c.num_logits if b == c.tokens.shape[1] else 1)
-                for c, a, b in pieces
-            ]
-            start = time.perf_counter()
-            try:
-                logits = forward_many(model, feeds)
-            except Exception as err:
-                for c, _, _ in pieces:
-                    c.error = err
-                    c.finished = True
-                    finished.append(c)
-                continue
-            self.stats.seconds[index] += time.perf_counter() - start
-            self.stats.forwards[index] += 1
-            self.stats.rows[index] += sum(c.tokens.shape[0] for c, _, _ in pieces)
-            for (c, _, b), out in zip(pieces, logits, strict=True):
-                c.fed = b
-                if b == c.tokens.shape[1]:
-                    c.logits, c.finished = out, True
-                    finished.append(c)
+        for (c, _, b), out in zip(pieces, logits, strict=True):
+            c.fed = b
+            if b == c.tokens.shape[1]:
+                c.logits, c.finished = out, True
+                finished.append(c)
         return finished
 
     def _pieces(self, calls: list[_Call]) -> list[tuple[_Call, int, int]]:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from smcspec.bench.machine import describe, one_line
 from smcspec.bench.prompts import chat_text, humaneval_problems
 from smcspec.bench.report import _fmt
 from smcspec.bench.results import ResultLog, header, measurements
@@ -58,6 +59,7 @@ def run_serve_bench(
     """Measure every (method, concurrency) not yet in out/serve.jsonl; return the table.
     `prompts` (user messages) default to the first `plan.requests` HumanEval problems."""
     out = Path(out)
+    source = "the first HumanEval prompts" if prompts is None else "prompts given by the caller"
     if prompts is None:
         prompts = [chat_text(p) for p in humaneval_problems(0, plan.requests)]
     if len(prompts) != plan.requests:
@@ -68,7 +70,16 @@ def run_serve_bench(
     url = f"http://127.0.0.1:{port}"
     try:
         info = _wait_ready(url, proc)
-        log = ResultLog(out / "serve.jsonl", {"server": info, "plan": plan.__dict__})
+        precision = f"{info['dtype']}, {info['backend']} backend"
+        log = ResultLog(
+            out / "serve.jsonl",
+            {
+                "machine": describe(precision),
+                "models": {"target": info["target"], "draft": info["draft"]},
+                "plan": plan.__dict__,
+                "prompts": source,
+            },
+        )
         for label in plan.methods:
             _one(url, {**bodies[0], **METHODS[label]})  # warm-up, not counted
             for c in plan.concurrency:
@@ -245,11 +256,15 @@ def report(path: str | Path) -> str:
     head = header(path)
     rows = measurements(path)
     plan = head.get("plan", {})
+    models = head.get("models", {})
     lines = [
         "# smcspec serve under concurrent clients",
         "",
-        f"Server: {head.get('server', {}).get('model', '?')}; {plan.get('requests')} chat "
-        f"requests (first HumanEval prompts), {plan.get('max_tokens')} new tokens each (EOS "
+        f"Machine: {one_line(head['machine'])}." if "machine" in head else "Machine: ?",
+        "",
+        f"Models: target {models.get('target', '?')}, draft {models.get('draft', '?')}; "
+        f"one `smcspec serve` process; {plan.get('requests')} chat "
+        f"requests ({head.get('prompts', '?')}), {plan.get('max_tokens')} new tokens each (EOS "
         f"ignored), T={plan.get('temperature')}, streamed; C clients at a time. Concurrency 1 "
         "is the same requests served one at a time. x = tokens/s over the method's own "
         "concurrency-1 row. prompt tok/s: prompt tokens prefilled per second of the level. "

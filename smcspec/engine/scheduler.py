@@ -7,7 +7,12 @@ finished), the scheduler runs all waiting calls to the same model as ONE batched
 function of the model views: the scheduler knows nothing about the algorithm, only how many KV
 pages a job may need at most, which decides admission.
 
-    step:  wait until no job is computing -> one forward per model over all waiting calls -> wake
+    step:  wait until no job is computing -> one forward over the waiting calls -> wake them
+
+Threads: forward passes (which allocate KV pages) run only on the scheduler's thread, while the
+jobs whose calls they serve wait; a job's thread touches only its own caches (fork, crop,
+release: page references of its own sequences). Page ids come from a thread-safe free list and
+sequence ids from an atomic counter, so no two threads ever write the same state.
 """
 
 from __future__ import annotations

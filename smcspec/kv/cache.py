@@ -8,6 +8,8 @@ one page is copied (copy on write), so no sequence ever sees another's tokens.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from smcspec.kv.pages import PageAllocator
@@ -33,13 +35,14 @@ class PagedKVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
-        self._next_id = 0
+        # Sequence ids from a C-level counter: taking one is atomic, so threads that open
+        # sequences at once (a scheduler's jobs) never get the same id.
+        self._ids = itertools.count()
 
     # -- sequences -------------------------------------------------------------------------
 
     def new_sequence(self) -> int:
-        seq = self._next_id
-        self._next_id += 1
+        seq = next(self._ids)
         self.tables[seq] = []
         self.lengths[seq] = 0
         return seq

@@ -307,6 +307,10 @@ def create_app(llm: LLM, defaults: ServeDefaults) -> FastAPI:
         return {
             "status": "ok",
             "model": defaults.model_name,
+            "target": llm.names[0],
+            "draft": llm.names[1],
+            "backend": llm.backend,
+            "dtype": llm.dtype,
             "running": s.running,
             "queued": s.queued,
         }

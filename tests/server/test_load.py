@@ -80,3 +80,46 @@ def test_concurrent_clients_all_finish_and_pages_return_to_idle(served):
     forwards = scheduler.stats.forwards[0] - forwards0
     rows = scheduler.stats.rows[0] - rows0
     assert rows / forwards > 4, f"{rows} rows in {forwards} target passes: too little batching"
+
+
+def test_requests_queue_for_kv_pages_and_all_complete(tiny_llm):
+    """A pool of 40 pages of 4 positions holds one smc request (N = 4) at a time: the others
+    wait in the queue (seen in /health), then every one completes and the pool is idle."""
+    from smcspec import LLM
+    from smcspec.models.llama import NativeCausalLM
+    from smcspec.server.app import ServeDefaults
+    from tests.server.conftest import serve
+
+    def small(m):
+        return NativeCausalLM(m.model, set(m.eos_token_ids), num_pages=40, page_size=4)
+
+    llm = LLM.from_models(small(tiny_llm.target), small(tiny_llm.draft), tiny_llm.tokenizer)
+    handle, server, thread = serve(llm, ServeDefaults(MODEL, particles=4, draft_tokens=3))
+    try:
+        body = {"model": MODEL, "prompt": "w1 w2 w3", "max_tokens": 20, "ignore_eos": True}
+        outcomes: dict[int, str] = {}
+        queued: list[int] = []
+
+        def one(i: int) -> None:
+            r = requests.post(handle.v1 + "/completions", json={**body, "seed": i}, timeout=120)
+            outcomes[i] = (
+                "ok" if r.status_code == 200 and r.json()["choices"][0]["text"] else r.text
+            )
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            queued.append(requests.get(handle.url + "/health", timeout=30).json()["queued"])
+        for t in threads:
+            t.join(timeout=120)
+        assert outcomes == dict.fromkeys(range(6), "ok")
+        assert max(queued) >= 1
+        handle.wait_idle()
+        assert llm.target.pages.used_pages == 0 and llm.draft.pages.used_pages == 0
+        too_big = {**body, "particles": 16, "max_tokens": 60}
+        r = requests.post(handle.v1 + "/completions", json=too_big, timeout=30)
+        assert r.status_code == 400 and "KV pages" in r.json()["error"]["message"]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

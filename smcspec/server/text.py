@@ -43,19 +43,13 @@ class TextStream:
         self.tokens_used = 0  # tokens up to the stop (or all) that produced the text
 
     def update(self, tokens: list[int]) -> str:
-        if self.stopped:
-            return ""
-        text = self.detokenize(tokens)
-        cut = first_stop(text, self.stops)
-        if cut is not None:
-            self.stopped = True
-            self.tokens_used = _tokens_before_stop(self.detokenize, tokens, self.stops)
-            return self._emit(text[:cut])
-        self.tokens_used = len(tokens)
-        return self._emit(text[: len(text) - held_back(text, self.stops)])
+        return self._advance(tokens, final=False)
 
     def finish(self, tokens: list[int]) -> str:
         """The final text after the last delta; `tokens` is the chosen output."""
+        return self._advance(tokens, final=True)
+
+    def _advance(self, tokens: list[int], final: bool) -> str:
         if self.stopped:
             return ""
         text = self.detokenize(tokens)
@@ -65,7 +59,8 @@ class TextStream:
             self.tokens_used = _tokens_before_stop(self.detokenize, tokens, self.stops)
             return self._emit(text[:cut])
         self.tokens_used = len(tokens)
-        return self._emit(text)
+        hold = 0 if final else held_back(text, self.stops)
+        return self._emit(text[: len(text) - hold])
 
     def _emit(self, text: str) -> str:
         if len(text) <= len(self.sent):

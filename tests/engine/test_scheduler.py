@@ -39,15 +39,21 @@ def job(scheduler: Scheduler, llm: LLM, request) -> Job:
     return Job(lambda views: llm.run(request, views), pages)
 
 
-def test_batched_requests_decode_exactly_as_alone(llm):
-    requests = [llm.plan("w1 w2 w3 w4", stop_at_eos=False, **s) for s in SETTINGS]
+def alone_and_together(llm: LLM, prompt: str, **options):
+    """Each SETTINGS request decoded alone, then all at once through one scheduler."""
+    requests = [llm.plan(prompt, stop_at_eos=False, **s) for s in SETTINGS]
     alone = [llm.run(r).token_ids for r in requests]
-    scheduler = Scheduler((llm.target, llm.draft))
+    scheduler = Scheduler((llm.target, llm.draft), **options)
     try:
         jobs = [scheduler.submit(job(scheduler, llm, r)) for r in requests]
         together = [j.future.result(timeout=60).token_ids for j in jobs]
     finally:
         scheduler.shutdown()
+    return alone, together, scheduler, requests
+
+
+def test_batched_requests_decode_exactly_as_alone(llm):
+    alone, together, scheduler, requests = alone_and_together(llm, "w1 w2 w3 w4")
     assert together == alone
     forwards, rows = scheduler.stats.forwards[0], scheduler.stats.rows[0]
     calls_alone = sum(len(r.prompt_ids) > 1 for r in requests) + sum(
@@ -61,14 +67,7 @@ def test_long_prompts_run_in_pieces_and_decode_exactly_as_alone(llm):
     """Chunked prefill: with room for 4 tokens a pass, 12-token prompts run over several passes
     while the other requests keep decoding; every request still gets exactly its tokens."""
     prompt = " ".join(f"w{i}" for i in range(10, 22))
-    requests = [llm.plan(prompt, stop_at_eos=False, **s) for s in SETTINGS]
-    alone = [llm.run(r).token_ids for r in requests]
-    scheduler = Scheduler((llm.target, llm.draft), max_batch_tokens=4)
-    try:
-        jobs = [scheduler.submit(job(scheduler, llm, r)) for r in requests]
-        together = [j.future.result(timeout=60).token_ids for j in jobs]
-    finally:
-        scheduler.shutdown()
+    alone, together, scheduler, _ = alone_and_together(llm, prompt, max_batch_tokens=4)
     assert together == alone
     # 6 prompts of 11 cached tokens at <= 4 tokens a pass: at least 17 passes for them alone
     assert scheduler.stats.forwards[0] >= 17

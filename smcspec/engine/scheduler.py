@@ -265,7 +265,12 @@ class Scheduler:
                         call.error = Cancelled("the server is shutting down")
                         call.done.set()
                     return
-            finished = self._execute(calls)
+            try:
+                finished = self._execute(calls)
+            except Exception as err:  # a fault here must fail the waiting calls, not hang them
+                for call in calls:
+                    call.error, call.finished = err, True
+                finished = calls
             with self._cond:
                 # unfinished calls (pieces still to run) stay first, in their order
                 self._calls = [c for c in calls if not c.finished] + self._calls

@@ -174,3 +174,28 @@ def test_cancelled_and_failing_jobs_free_their_pages_and_spare_the_others(llm):
         scheduler.shutdown()
     assert llm.target.pages.used_pages == 0 and llm.draft.pages.used_pages == 0
     assert (scheduler.stats.cancelled, scheduler.stats.failed) == (1, 1)
+
+
+def test_a_fault_in_a_pass_fails_the_waiting_jobs_instead_of_hanging_them(llm):
+    class Broken:
+        vocab_size, eos_token_ids = llm.target.vocab_size, llm.target.eos_token_ids
+
+        def new_cache(self):
+            return llm.target.new_cache()
+
+        def forward(self, tokens, cache, num_logits):
+            raise RuntimeError("the device fell over")
+
+    scheduler = Scheduler((Broken(), llm.draft))
+    try:
+        request = llm.plan("w1 w2", method="ar", max_new_tokens=4)
+        failing = scheduler.submit(Job(lambda views: llm.run(request, views), [0, 0]))
+        with pytest.raises(RuntimeError, match="fell over"):
+            failing.future.result(timeout=30)
+        scheduler._execute = None  # now the loop itself breaks: calls must still come back
+        again = scheduler.submit(Job(lambda views: llm.run(request, views), [0, 0]))
+        with pytest.raises(TypeError):
+            again.future.result(timeout=30)
+    finally:
+        scheduler.shutdown()
+    assert llm.target.pages.used_pages == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -234,9 +235,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    llm = llm_from_args(args)
-    defaults = ServeDefaults(
-        model_name=args.model_name or llm.names[0],
+    defaults = ServeDefaults(  # checked before a minute of model loading
+        model_name=args.model_name or "",
         method=args.method,
         particles=args.particles,
         draft_tokens=args.draft_tokens,
@@ -247,6 +247,8 @@ def _serve(args: argparse.Namespace) -> int:
         max_running=args.max_running,
         max_batch_tokens=args.max_batch_tokens,
     )
+    llm = llm_from_args(args)
+    defaults = dataclasses.replace(defaults, model_name=args.model_name or llm.names[0])
     app = create_app(llm, defaults)
     print(
         f"smcspec: serving {defaults.model_name!r} ({llm.backend}, {llm.dtype}) on "

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from smcspec.config import METHODS
+from smcspec.config import SamplingConfig, SMCConfig, check_method
 from smcspec.engine import LLM, GenerationResult, Request
 from smcspec.engine.scheduler import Job, Scheduler
 from smcspec.server.metrics import ServerMetrics
@@ -46,10 +46,13 @@ class ServeDefaults:
     max_batch_tokens: int = 256
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        check_method(self.method)
+        SMCConfig(self.particles, self.draft_tokens, self.resample_threshold, self.resampling)
+        SamplingConfig(temperature=self.temperature, max_new_tokens=self.max_tokens)
+        for name in ("max_running", "max_batch_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
 @dataclass

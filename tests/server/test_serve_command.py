@@ -5,6 +5,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import requests
 from openai import OpenAI
 
@@ -62,12 +63,23 @@ def test_serve_command_answers_the_openai_client(tiny_llama_folder, tiny_llama_d
         proc.wait(timeout=30)
 
 
-def test_serve_rejects_a_bad_port_before_loading_anything():
+@pytest.mark.parametrize(
+    ("flag", "value", "named"),
+    [
+        ("--port", "70000", "--port"),
+        ("--particles", "0", "particles"),
+        ("--temperature", "-1", "temperature"),
+        ("--max-running", "0", "max_running"),
+        ("--max-batch-tokens", "0", "max_batch_tokens"),
+    ],
+)
+def test_serve_rejects_bad_settings_before_loading_anything(flag, value, named):
+    """The default models are not even looked for: the error comes at once."""
     out = subprocess.run(
-        [sys.executable, "-m", "smcspec", "serve", "--port", "70000"],
+        [sys.executable, "-m", "smcspec", "serve", flag, value, "--target", "/nonexistent"],
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert out.returncode == 2
-    assert "--port" in out.stderr
+    assert named in out.stderr and "nonexistent" not in out.stderr

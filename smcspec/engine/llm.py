@@ -9,7 +9,7 @@ print(out.text, out.diagnostics["tokens_per_second"])
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +18,7 @@ import torch
 from smcspec.config import SamplingConfig, SDConfig, SMCConfig, check_method
 from smcspec.decoding import AutoregressiveDecoder, DecodeResult, SMCDecoder, SpeculativeDecoder
 from smcspec.decoding.base import Watch
+from smcspec.engine.scheduler import Job, Scheduler
 from smcspec.models.base import CausalLM
 from smcspec.potentials import Constraint, Potential, Power, Product, Reward
 
@@ -174,6 +175,34 @@ class LLM:
         sd supports none of them. The settings are those of `Request` (see `plan`); `watch`
         sees the tokens fixed so far after every round (see `decoding.base.Watch`)."""
         return self.run(self.plan(prompt, method, **settings), watch=watch)
+
+    def generate_batch(
+        self,
+        prompts: Sequence[str | list[int]],
+        method: str = "smc",
+        *,
+        max_running: int = 64,
+        max_batch_tokens: int = 256,
+        **settings: Any,
+    ) -> list[GenerationResult]:
+        """`generate` for every prompt at once: the requests share batched forward passes
+        (continuous batching, see `engine.scheduler`), each exactly as it would decode alone.
+        Results come in prompt order; with a `seed`, prompt i uses seed + i. Every request is
+        checked before any runs."""
+        seed = settings.pop("seed", None)
+        requests = [
+            self.plan(p, method, seed=None if seed is None else seed + i, **settings)
+            for i, p in enumerate(prompts)
+        ]
+        scheduler = Scheduler((self.target, self.draft), max_running, max_batch_tokens)
+        try:
+            jobs = []
+            for r in requests:
+                pages = scheduler.pages_for(r.kv_rows(), r.max_length())
+                jobs.append(scheduler.submit(Job(lambda views, r=r: self.run(r, views), pages)))
+            return [job.future.result() for job in jobs]
+        finally:
+            scheduler.shutdown()
 
     def plan(
         self,

@@ -199,3 +199,16 @@ def test_a_fault_in_a_pass_fails_the_waiting_jobs_instead_of_hanging_them(llm):
     finally:
         scheduler.shutdown()
     assert llm.target.pages.used_pages == 0
+
+
+def test_generate_batch_gives_what_generate_gives_prompt_by_prompt(llm):
+    prompts = ["w1 w2", "w3", [5, 6, 7], "w9 w8 w7 w6"]
+    settings = dict(particles=3, draft_tokens=2, max_new_tokens=10, stop_at_eos=False)
+    batch = llm.generate_batch(prompts, "smc", seed=20, **settings)
+    alone = [llm.generate(p, "smc", seed=20 + i, **settings) for i, p in enumerate(prompts)]
+    assert [b.token_ids for b in batch] == [a.token_ids for a in alone]
+    assert [b.diagnostics["seed"] for b in batch] == [20, 21, 22, 23]
+    assert llm.generate_batch([], "ar") == []
+    with pytest.raises(ValueError, match="particles"):
+        llm.generate_batch(["w1", "w2"], "smc", particles=0)
+    assert llm.target.pages.used_pages == 0

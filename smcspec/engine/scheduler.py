@@ -2,12 +2,13 @@
 
 Each admitted job runs its decoder in a thread of its own, against views of the models whose
 `forward` hands the call to the scheduler and waits. Once every running job is waiting (or has
-finished), the scheduler runs all waiting calls to the same model as ONE batched pass
-(`models.base.forward_many`) and wakes the jobs with their logits. A job is therefore any
+finished), the scheduler runs the waiting calls to one model as ONE batched pass
+(`models.base.forward_many`; the cheaper model first, see `_execute`) and wakes the jobs with
+their logits. A job is therefore any
 function of the model views: the scheduler knows nothing about the algorithm, only how many KV
 pages a job may need at most, which decides admission.
 
-    step:  wait until no job is computing -> one forward over the waiting calls -> wake them
+    step:  wait until no job is computing -> one pass over one model's waiting calls -> wake them
 
 Threads: forward passes (which allocate KV pages) run only on the scheduler's thread, while the
 jobs whose calls they serve wait; a job's thread touches only its own caches (fork, crop,

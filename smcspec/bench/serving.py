@@ -65,11 +65,11 @@ def run_serve_bench(
     if len(prompts) != plan.requests:
         raise ValueError(f"{plan.requests} requests need as many prompts, got {len(prompts)}")
     bodies = [_body(p, plan) for p in prompts]
-    port = _free_port()
+    port = free_port()
     proc = _start([*serve_args, "--max-running", str(max(plan.concurrency))], port)
     url = f"http://127.0.0.1:{port}"
     try:
-        info = _wait_ready(url, proc)
+        info = wait_ready(url, proc)
         precision = f"{info['dtype']}, {info['backend']} backend"
         log = ResultLog(
             out / "serve.jsonl",
@@ -110,7 +110,7 @@ def _body(prompt: str, plan: ServePlan) -> dict:
     }
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -122,7 +122,7 @@ def _start(serve_args: list[str], port: int) -> subprocess.Popen:
     return subprocess.Popen(cmd)
 
 
-def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 1800) -> dict:
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 1800) -> dict:
     import requests
 
     end = time.monotonic() + timeout
@@ -238,17 +238,23 @@ def _scrape(url: str) -> dict[str, float]:
     import requests
 
     wanted = {
-        'smcspec_forward_passes_total{model="target"}': "forwards",
-        'smcspec_forward_rows_total{model="target"}': "rows",
-        'smcspec_forward_seconds_total{model="target"}': "target_seconds",
-        'smcspec_forward_seconds_total{model="draft"}': "draft_seconds",
+        "forwards": 'smcspec_forward_passes_total{model="target"}',
+        "rows": 'smcspec_forward_rows_total{model="target"}',
+        "target_seconds": 'smcspec_forward_seconds_total{model="target"}',
+        "draft_seconds": 'smcspec_forward_seconds_total{model="draft"}',
     }
-    values = dict.fromkeys(wanted.values(), 0.0)
-    for line in requests.get(url + "/metrics", timeout=30).text.splitlines():
-        name, _, value = line.rpartition(" ")
-        if name in wanted:
-            values[wanted[name]] = float(value)
-    return values
+    values = parse_metrics(requests.get(url + "/metrics", timeout=30).text)
+    return {key: values.get(name, 0.0) for key, name in wanted.items()}
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus exposition text -> {'name{labels}': value}."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
 
 
 def report(path: str | Path) -> str:

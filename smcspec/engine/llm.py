@@ -196,10 +196,7 @@ class LLM:
         ]
         scheduler = Scheduler((self.target, self.draft), max_running, max_batch_tokens)
         try:
-            jobs = []
-            for r in requests:
-                pages = scheduler.pages_for(r.kv_rows(), r.max_length())
-                jobs.append(scheduler.submit(Job(lambda views, r=r: self.run(r, views), pages)))
+            jobs = [scheduler.submit(self.job(r)) for r in requests]
             return [job.future.result() for job in jobs]
         finally:
             scheduler.shutdown()
@@ -267,6 +264,12 @@ class LLM:
         generator = torch.Generator().manual_seed(request.seed)
         result = decoder.decode(request.prompt_ids, request.sampling, generator, watch)
         return self._package(result, request.method, request.seed, len(request.prompt_ids))
+
+    def job(self, request: Request, watch: Watch | None = None) -> Job:
+        """`request` as a scheduler job: `run` against the scheduler's batching model views."""
+        return Job(
+            lambda views: self.run(request, views, watch), request.kv_rows(), request.max_length()
+        )
 
     def build_potential(
         self,

@@ -39,12 +39,19 @@ class Job:
     """One unit of work (a request's decode) and its outcome as a `Future`.
 
     `work(views)` gets one view per scheduled model, in the scheduler's order, and returns the
-    result. `pages[m]` is the most KV pages the job can hold in model m's pool.
+    result. `rows[m]` sequences of up to `max_length` positions is the most the job keeps in
+    model m's cache; the scheduler turns that into KV pages for admission.
     """
 
-    def __init__(self, work: Callable[[tuple[CausalLM, ...]], Any], pages: Sequence[int]) -> None:
+    def __init__(
+        self,
+        work: Callable[[tuple[CausalLM, ...]], Any],
+        rows: Sequence[int],
+        max_length: int,
+    ) -> None:
         self.work = work
-        self.pages = tuple(pages)
+        self.rows = tuple(rows)
+        self.max_length = max_length
         self.future: Future = Future()
         self._cancelled = threading.Event()
 
@@ -159,7 +166,7 @@ class Scheduler:
     def submit(self, job: Job) -> Job:
         """Queue `job`; it starts as soon as admission allows. A job that could never fit (more
         pages than a pool holds) is refused with ValueError."""
-        for i, need in enumerate(job.pages):
+        for i, need in enumerate(self._pages(job)):
             cap = self.capacity(i)
             if cap is not None and need > cap:
                 raise ValueError(
@@ -189,8 +196,6 @@ class Scheduler:
             self._stopping = True
             for job in list(self._running) + list(self._queue):
                 job.cancel()
-            for job in self._queue:
-                job.future.cancel()
             self._queue.clear()
             self._cond.notify_all()
         self._thread.join(timeout=30)
@@ -212,12 +217,15 @@ class Scheduler:
                 self.stats.cancelled += 1
                 continue
             self._running.add(job)
-            self._reserved = [r + p for r, p in zip(self._reserved, job.pages, strict=True)]
+            self._reserved = [r + p for r, p in zip(self._reserved, self._pages(job), strict=True)]
             self._computing += 1
             threading.Thread(target=self._run, args=(job,), daemon=True).start()
 
+    def _pages(self, job: Job) -> list[int]:
+        return self.pages_for(job.rows, job.max_length)
+
     def _fits(self, job: Job) -> bool:
-        for i, need in enumerate(job.pages):
+        for i, need in enumerate(self._pages(job)):
             cap = self.capacity(i)
             if cap is not None and self._reserved[i] + need > cap:
                 return False
@@ -236,7 +244,7 @@ class Scheduler:
         with self._cond:
             setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
             self._running.discard(job)
-            self._reserved = [r - p for r, p in zip(self._reserved, job.pages, strict=True)]
+            self._reserved = [r - p for r, p in zip(self._reserved, self._pages(job), strict=True)]
             self._computing -= 1
             self._admit()
             self._cond.notify_all()

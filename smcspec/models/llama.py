@@ -159,7 +159,7 @@ class LlamaModel:
         `num_logits` new positions of every sequence: [B, num_logits, V]. Ragged batch: a sequence
         given fewer than `num_logits` tokens gets zero logits in the leading rows it lacks."""
         rows = self.forward_ragged(kv, seqs, tokens, [num_logits] * len(seqs))
-        return torch.stack([F.pad(r, (0, 0, num_logits - r.shape[0], 0)) for r in rows])
+        return _stack_padded(rows, num_logits)
 
     @torch.inference_mode()
     def forward_ragged(
@@ -336,6 +336,12 @@ class _AttentionBatch:
         return out[self.query_valid]  # [total, nh, d] in flat order
 
 
+def _stack_padded(rows: list[torch.Tensor], num_logits: int) -> torch.Tensor:
+    """Rows [n_b, V] with n_b <= num_logits as [B, num_logits, V], zeros in the missing
+    leading positions."""
+    return torch.stack([F.pad(r, (0, 0, num_logits - r.shape[0], 0)) for r in rows])
+
+
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)
@@ -420,7 +426,6 @@ class NativeCausalLM:
         logits = self.model.forward_ragged(self.kv, seqs, rows, wants)
         out, start = [], 0
         for tokens, _, num_logits in calls:
-            mine = logits[start : start + tokens.shape[0]]
-            out.append(torch.stack([F.pad(r, (0, 0, num_logits - r.shape[0], 0)) for r in mine]))
+            out.append(_stack_padded(logits[start : start + tokens.shape[0]], num_logits))
             start += tokens.shape[0]
         return out

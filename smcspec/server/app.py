@@ -73,7 +73,7 @@ def create_app(llm: LLM, defaults: ServeDefaults) -> FastAPI:
 
     app = FastAPI(title="smcspec", version="0.1.0", lifespan=lifespan)
     app.state.server = server
-    _add_error_handlers(app, server)
+    _add_error_handlers(app)
 
     @app.middleware("http")
     async def count(request: HTTPRequest, call_next):
@@ -205,12 +205,17 @@ async def _stream(
                 yield _sse({**head, "object": obj, "choices": [{**item, "finish_reason": None}]})
         open_choices = {c.index for c in choices}
         completion_tokens, first = 0, True
+
+        def text_sent(text: str | None) -> None:
+            nonlocal first
+            if text and first:
+                server.metrics.first_token.observe(time.perf_counter() - started)
+                first = False
+
         while open_choices:
             index, delta = await queue.get()
             if delta is not None:
-                if first:
-                    server.metrics.first_token.observe(time.perf_counter() - started)
-                    first = False
+                text_sent(delta)
                 yield chunk(index, delta)
                 continue
             open_choices.discard(index)
@@ -225,9 +230,7 @@ async def _stream(
                 continue
             f = server.finish(c, result, body.return_particles)
             completion_tokens += f["tokens"]
-            if f["rest"] and first:
-                server.metrics.first_token.observe(time.perf_counter() - started)
-                first = False
+            text_sent(f["rest"])
             yield chunk(index, f["rest"] or None, f["reason"], smcspec=f["smcspec"])
         if body.stream_options is not None and body.stream_options.include_usage:
             usage = _usage(prompt_tokens, completion_tokens)
@@ -247,7 +250,7 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
-def _add_error_handlers(app: FastAPI, server: Server) -> None:
+def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: HTTPRequest, err: ApiError) -> JSONResponse:
         return JSONResponse(_error_body(err.message, err.param, err.code), status_code=err.status)

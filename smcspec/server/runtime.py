@@ -113,6 +113,10 @@ class Server:
         d = self.defaults
         method = body.method or d.method
         k = body.draft_tokens or d.draft_tokens
+        try:  # built once: every choice shares it (each particle gets its own state)
+            potential = self.llm.build_potential(body.power_alpha, json_schema=_schema(body))
+        except ValueError as err:
+            raise ApiError(str(err)) from err
         choices = []
         for p, ids in enumerate(prompts):
             limit = self._token_limit(body, len(ids), 0 if method == "ar" else k, param)
@@ -134,8 +138,7 @@ class Server:
                         stop_at_eos=not body.ignore_eos,
                         seed=seed,
                         chat=False,
-                        power_alpha=body.power_alpha,
-                        json_schema=_schema(body),
+                        potential=potential,
                     )
                 except ValueError as err:
                     raise ApiError(str(err)) from err
@@ -167,7 +170,7 @@ class Server:
     # -- running ----------------------------------------------------------------------------
 
     def submit(self, choice: Choice, on_text: Callable[[int, str], None] | None = None) -> Job:
-        plan, text = choice.plan, choice.text
+        text = choice.text
 
         def watch(tokens: list[int]) -> bool:
             delta = text.update(tokens)
@@ -175,11 +178,8 @@ class Server:
                 on_text(choice.index, delta)
             return text.stopped
 
-        pages = self.scheduler.pages_for(plan.kv_rows(), plan.max_length())
         try:
-            choice.job = self.scheduler.submit(
-                Job(lambda views: self.llm.run(plan, views, watch), pages)
-            )
+            choice.job = self.scheduler.submit(self.llm.job(choice.plan, watch))
         except ValueError as err:
             raise ApiError(str(err)) from err
         return choice.job

@@ -34,18 +34,13 @@ def small_pool(llm: LLM, pages: int) -> LLM:
     return LLM.from_models(pool(llm.target), pool(llm.draft), llm.tokenizer)
 
 
-def job(scheduler: Scheduler, llm: LLM, request) -> Job:
-    pages = scheduler.pages_for(request.kv_rows(), request.max_length())
-    return Job(lambda views: llm.run(request, views), pages)
-
-
 def alone_and_together(llm: LLM, prompt: str, **options):
     """Each SETTINGS request decoded alone, then all at once through one scheduler."""
     requests = [llm.plan(prompt, stop_at_eos=False, **s) for s in SETTINGS]
     alone = [llm.run(r).token_ids for r in requests]
     scheduler = Scheduler((llm.target, llm.draft), **options)
     try:
-        jobs = [scheduler.submit(job(scheduler, llm, r)) for r in requests]
+        jobs = [scheduler.submit(llm.job(r)) for r in requests]
         together = [j.future.result(timeout=60).token_ids for j in jobs]
     finally:
         scheduler.shutdown()
@@ -122,7 +117,7 @@ def test_requests_wait_for_pages_and_all_pages_come_back(llm):
     scheduler = Scheduler((small.target, small.draft))
     peak = 0
     try:
-        jobs = [scheduler.submit(job(scheduler, small, r)) for r in requests]
+        jobs = [scheduler.submit(small.job(r)) for r in requests]
         # Each smc request reserves up to 4 x (20/4 + 1) = 24 pages: they cannot all run at once.
         assert scheduler.queued > 0
         while not all(j.future.done() for j in jobs):
@@ -142,7 +137,7 @@ def test_a_request_larger_than_the_pool_is_refused(llm):
     try:
         request = small.plan("w1", method="smc", particles=8, max_new_tokens=40)
         with pytest.raises(ValueError, match="KV pages"):
-            scheduler.submit(job(scheduler, small, request))
+            scheduler.submit(small.job(request))
     finally:
         scheduler.shutdown()
 
@@ -160,9 +155,9 @@ def test_cancelled_and_failing_jobs_free_their_pages_and_spare_the_others(llm):
         llm.run(fine, views, watch=lambda tokens: 1 / 0)
 
     try:
-        victim = scheduler.submit(Job(watched, [100, 100]))
-        bad = scheduler.submit(Job(broken, [10, 10]))
-        good = scheduler.submit(job(scheduler, llm, fine))
+        victim = scheduler.submit(Job(watched, long.kv_rows(), long.max_length()))
+        bad = scheduler.submit(Job(broken, fine.kv_rows(), fine.max_length()))
+        good = scheduler.submit(llm.job(fine))
         started.wait(30)
         victim.cancel()
         with pytest.raises(Cancelled):
@@ -189,11 +184,11 @@ def test_a_fault_in_a_pass_fails_the_waiting_jobs_instead_of_hanging_them(llm):
     scheduler = Scheduler((Broken(), llm.draft))
     try:
         request = llm.plan("w1 w2", method="ar", max_new_tokens=4)
-        failing = scheduler.submit(Job(lambda views: llm.run(request, views), [0, 0]))
+        failing = scheduler.submit(llm.job(request))
         with pytest.raises(RuntimeError, match="fell over"):
             failing.future.result(timeout=30)
         scheduler._execute = None  # now the loop itself breaks: calls must still come back
-        again = scheduler.submit(Job(lambda views: llm.run(request, views), [0, 0]))
+        again = scheduler.submit(llm.job(request))
         with pytest.raises(TypeError):
             again.future.result(timeout=30)
     finally:

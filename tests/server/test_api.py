@@ -6,6 +6,7 @@ import openai
 import pytest
 import requests
 
+from smcspec.bench.serving import parse_metrics
 from tests.server.conftest import MODEL
 
 PROMPT = "w1 w2 w3"
@@ -218,7 +219,7 @@ def test_metrics_count_requests_tokens_and_method_diagnostics(served):
     )
     served.wait_idle()
     text = requests.get(served.url + "/metrics", timeout=30).text
-    values = metric_values(text)
+    values = parse_metrics(text)
     assert values['smcspec_requests_total{endpoint="/v1/completions",status="200"}'] >= 2
     assert values['smcspec_generated_tokens_total{method="sd"}'] >= 1
     assert values["smcspec_sd_proposed_tokens_total"] >= values["smcspec_sd_accepted_tokens_total"]
@@ -237,12 +238,3 @@ def sse_lines(served, path: str, body: dict) -> list[str]:
     assert resp.status_code == 200, resp.text
     assert resp.headers["content-type"].startswith("text/event-stream")
     return [line[len("data: ") :] for line in resp.iter_lines(decode_unicode=True) if line]
-
-
-def metric_values(text: str) -> dict[str, float]:
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out

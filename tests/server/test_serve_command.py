@@ -1,19 +1,12 @@
 """`smcspec serve` as a user starts it: a subprocess on a free port, then the openai client."""
 
-import socket
 import subprocess
 import sys
-import time
 
 import pytest
-import requests
 from openai import OpenAI
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from smcspec.bench.serving import free_port, wait_ready
 
 
 def test_serve_command_answers_the_openai_client(tiny_llama_folder, tiny_llama_draft_folder):
@@ -41,16 +34,7 @@ def test_serve_command_answers_the_openai_client(tiny_llama_folder, tiny_llama_d
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        end = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if requests.get(url + "/health", timeout=2).ok:
-                    break
-            except requests.ConnectionError:
-                pass
-            assert time.monotonic() < end, "the server did not come up"
-            time.sleep(0.2)
+        assert wait_ready(url, proc, timeout=120)["model"] == "tiny-pair"
         client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
         out = client.chat.completions.create(
             model="tiny-pair", messages=[{"role": "user", "content": "w1 w2"}]

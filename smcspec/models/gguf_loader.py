@@ -43,44 +43,117 @@ def read(
     path: str | Path, dtype: torch.dtype = torch.float32
 ) -> tuple[dict, dict[str, torch.Tensor]]:
     """(HF-style config dict, HF-named weights) from a GGUF file."""
+    return config(path), weights(path, dtype)
+
+
+def config(path: str | Path) -> dict:
+    """The HF-style config dict of a GGUF file, from its metadata (no weight is de-quantized).
+
+    RoPE scaling is carried over, never dropped: `{arch}.rope.scaling.*` (linear, yarn) becomes
+    `rope_scaling`, and the `rope_freqs` tensor llama.cpp writes for Llama 3.1-style (`llama3`)
+    scaling becomes `rope_freq_factors` (inv_freq is divided by them)."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
-    arch = _field(reader, "general.architecture")
-    if arch not in ARCHITECTURES:
-        raise ValueError(
-            f"GGUF architecture {arch!r} is not supported (supported: {ARCHITECTURES})"
-        )
-    weights: dict[str, torch.Tensor] = {}
+    arch = _architecture(reader)
+    tensors = {t.name: t for t in reader.tensors}
+    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
+    cfg = {
+        "model_type": arch,
+        "vocab_size": int(tensors["token_embd.weight"].shape[-1]),  # ggml: innermost dim first
+        "hidden_size": hidden,
+        "head_dim": head_dim,
+        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 4096)),
+    }
+    rotated = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
+    if rotated != head_dim:  # for `rope.from_hf` to refuse
+        cfg["partial_rotary_factor"] = rotated / head_dim
+    scaling = rope_scaling(reader, arch)
+    if scaling:
+        cfg["rope_scaling"] = scaling
+    if "rope_freqs.weight" in tensors:
+        t = tensors["rope_freqs.weight"]
+        cfg["rope_freq_factors"] = gguf.quants.dequantize(t.data, t.tensor_type).ravel().tolist()
+    return cfg
+
+
+def weights(path: str | Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The de-quantized weights of a GGUF file under their Hugging Face names."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    arch = _architecture(reader)
+    out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         name = hf_name(t.name)
         if name is None:
             continue
         array = gguf.quants.dequantize(t.data, t.tensor_type)
         shape = tuple(int(d) for d in reversed(t.shape))  # ggml lists the innermost dim first
-        weights[name] = torch.from_numpy(np.array(array, copy=True).reshape(shape)).to(dtype)
+        out[name] = torch.from_numpy(np.array(array, copy=True).reshape(shape)).to(dtype)
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", heads))
     if arch in ("llama", "mistral"):  # llama.cpp's converter permutes q/k rows for its RoPE
-        for key, value in list(weights.items()):
+        for key, value in list(out.items()):
             if key.endswith("q_proj.weight"):
-                weights[key] = _unpermute(value, heads)
+                out[key] = _unpermute(value, heads)
             elif key.endswith("k_proj.weight"):
-                weights[key] = _unpermute(value, kv_heads)
-    config = {
-        "model_type": arch,
-        "vocab_size": int(weights["model.embed_tokens.weight"].shape[0]),
-        "hidden_size": int(_field(reader, f"{arch}.embedding_length")),
-        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
-        "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        "tie_word_embeddings": "lm_head.weight" not in weights,
-        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 4096)),
-    }
-    return config, weights
+                out[key] = _unpermute(value, kv_heads)
+    return out
+
+
+def has_rope_scaling(path: str | Path) -> bool:
+    """Whether a GGUF file scales RoPE, by metadata or a `rope_freqs` tensor."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        return True
+    try:
+        return bool(rope_scaling(reader, _architecture(reader)))
+    except ValueError:  # keys the native engine cannot map still scale RoPE
+        return True
+
+
+# llama.cpp's yarn keys and their transformers names; "finetuned" records training only.
+_YARN_KEYS = {
+    "original_context_length": "original_max_position_embeddings",
+    "yarn_beta_fast": "beta_fast",
+    "yarn_beta_slow": "beta_slow",
+}
+
+
+def rope_scaling(reader, arch: str) -> dict:
+    """`{arch}.rope.scaling.*` as a transformers `rope_scaling` dict ({} for none). llama.cpp
+    applies `factor` (or the older `rope.scale_linear`) as a linear scaling unless the type is
+    yarn. A type the native engine lacks passes through for `rope.from_hf` to refuse by name; a
+    key whose meaning differs between llama.cpp and transformers (yarn's attn_factor,
+    log_multiplier, ...) raises ValueError rather than be guessed at."""
+    prefix = f"{arch}.rope.scaling."
+    keys = {k[len(prefix) :]: _field(reader, k) for k in reader.fields if k.startswith(prefix)}
+    kind = str(keys.pop("type", "none"))
+    keys.pop("finetuned", None)
+    factor = float(keys.pop("factor", _field(reader, f"{arch}.rope.scale_linear", 1.0)))
+    if kind in ("none", "linear"):
+        scaling = {"rope_type": "linear", "factor": factor} if factor not in (0.0, 1.0) else {}
+    elif kind == "yarn":
+        scaling = {"rope_type": "yarn", "factor": factor}
+        scaling.update({hf: keys.pop(g) for g, hf in _YARN_KEYS.items() if g in keys})
+    else:
+        return {"rope_type": kind}
+    if keys:
+        names = ", ".join(prefix + k for k in sorted(keys))
+        raise ValueError(f"GGUF rope scaling keys not supported by the native engine: {names}")
+    return scaling
 
 
 def architecture(path: str | Path) -> str | None:
@@ -91,6 +164,15 @@ def architecture(path: str | Path) -> str | None:
         return str(_field(gguf.GGUFReader(str(path)), "general.architecture"))
     except (ValueError, OSError):
         return None
+
+
+def _architecture(reader) -> str:
+    arch = str(_field(reader, "general.architecture"))
+    if arch not in ARCHITECTURES:
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported (supported: {ARCHITECTURES})"
+        )
+    return arch
 
 
 def _field(reader, key: str, default=None):

@@ -1,8 +1,9 @@
 """A native Llama-family decoder (Llama 2/3, Qwen2/2.5, Mistral) over a paged KV cache.
 
-RMSNorm, rotary position embeddings, grouped-query attention, SwiGLU, optional q/k/v bias
-(Qwen2). Q, K and V are one fused projection, gate and up another. A forward takes a ragged
-batch: each sequence appends its own number of tokens at its own position.
+RMSNorm, rotary position embeddings (with the scalings of `rope`), grouped-query attention,
+SwiGLU, optional q/k/v bias (Qwen2). Q, K and V are one fused projection, gate and up another.
+A forward takes a ragged batch: each sequence appends its own number of tokens at its own
+position.
 
 Reference: this module is tested against `transformers` on the same weights.
 """
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from smcspec.kv.cache import PagedKVCache
+from smcspec.models import rope
 from smcspec.models.layers import DenseLinear, Int8Linear, make_linear
 
 Linear = DenseLinear | Int8Linear
@@ -33,7 +35,7 @@ class LlamaConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rope_theta: float
+    rope: rope.Rope
     rms_eps: float
     qkv_bias: bool
     tie_embeddings: bool
@@ -41,10 +43,9 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict) -> LlamaConfig:
+        """From a Hugging Face config dict; an unsupported RoPE scaling raises ValueError."""
         heads = cfg["num_attention_heads"]
-        rope = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get(
-            "rope_theta", 10000.0
-        )
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -52,13 +53,24 @@ class LlamaConfig:
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads", heads),
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rope_theta=float(rope),
+            head_dim=head_dim,
+            rope=rope.from_hf(cfg, head_dim),
             rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_positions=int(cfg.get("max_position_embeddings") or 4096),
         )
+
+    @classmethod
+    def read(cls, path: str | Path) -> LlamaConfig:
+        """The config of a safetensors folder (config.json) or a .gguf file (its metadata),
+        no weight read: what the engine cannot run is refused before anything loads."""
+        path = Path(path)
+        if path.suffix == ".gguf":
+            from smcspec.models import gguf_loader
+
+            return cls.from_hf(gguf_loader.config(path))
+        return cls.from_hf(json.loads((path / "config.json").read_text()))
 
 
 @dataclass
@@ -97,10 +109,6 @@ class LlamaModel:
         for i in range(config.num_layers):
             self.layers.append(self._layer(w, f"model.layers.{i}."))
         self._sinks: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        d = config.head_dim
-        self.inv_freq = 1.0 / (
-            config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-        )
 
     def _layer(self, w: dict[str, torch.Tensor], p: str) -> Layer:
         """Build layer `p`, taking its weights out of `w` so that float copies are freed as the
@@ -131,7 +139,7 @@ class LlamaModel:
         from safetensors.torch import load_file
 
         folder = Path(folder)
-        config = LlamaConfig.from_hf(json.loads((folder / "config.json").read_text()))
+        config = LlamaConfig.read(folder)
         weights: dict[str, torch.Tensor] = {}
         for f in sorted(folder.glob("*.safetensors")):
             weights.update(load_file(str(f)))
@@ -142,8 +150,8 @@ class LlamaModel:
         """Load and de-quantize a GGUF file (llama, qwen2, mistral)."""
         from smcspec.models import gguf_loader
 
-        config, weights = gguf_loader.read(path, torch.float32)
-        return cls(LlamaConfig.from_hf(config), weights, dtype)
+        config = LlamaConfig.read(path)
+        return cls(config, gguf_loader.weights(path, torch.float32), dtype)
 
     def new_kv(self, num_pages: int, page_size: int = 16) -> PagedKVCache:
         c = self.config
@@ -233,17 +241,18 @@ class LlamaModel:
     def _sink(self, token: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Keys, values [layers, kv_heads, D] and next-token logits [V] of `token` at position 0,
         every linear in its banded form (int8 weights; activations split by magnitude so the
-        sink's outliers keep their precision, see `Int8Linear.banded`). At position 0 the
-        rotation is the identity and attention sees only the token itself, so its output is its
-        own value."""
+        sink's outliers keep their precision, see `Int8Linear.banded`). At position 0 attention
+        sees only the token itself, so its output is its own value, and the query is not needed.
+        """
         c = self.config
         d, nh, nkv = c.head_dim, c.num_heads, c.num_kv_heads
         x = self.embed[token][None]  # [1, H]
+        cos, sin = self._rope(torch.zeros(1, dtype=torch.long))  # identity, times yarn's factor
         keys, values = [], []
         for layer in self.layers:
             qkv = layer.qkv.banded(_rms(x, layer.input_norm, c.rms_eps))
             _, k, v = qkv.split([nh * d, nkv * d, nkv * d], dim=-1)
-            keys.append(k.view(nkv, d))
+            keys.append(_rotate(k.view(1, nkv, d), cos, sin)[0])
             values.append(v.view(nkv, d))
             attended = v.view(nkv, 1, d).expand(nkv, nh // nkv, d).reshape(1, nh * d)
             x = x + layer.o.banded(attended)
@@ -254,9 +263,11 @@ class LlamaModel:
         return torch.stack(keys), torch.stack(values), logits
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = positions.double()[:, None] * self.inv_freq[None, :]  # [total, D/2]
+        """cos, sin [total, D] of positions [total], both scaled by the rope's attention factor."""
+        angles = rope.angles(self.config.rope, positions)  # [total, D/2]
         angles = torch.cat([angles, angles], dim=-1)
-        return angles.cos().to(self.act_dtype), angles.sin().to(self.act_dtype)
+        scale = self.config.rope.attention_factor
+        return (angles.cos() * scale).to(self.act_dtype), (angles.sin() * scale).to(self.act_dtype)
 
     def _attention(
         self,

@@ -1,7 +1,14 @@
 """Pick a backend and a precision for a model spec, and load (model, tokenizer).
 
 Backends: `native` (Llama / Qwen2 / Mistral on the paged KV cache, CPU), `hf` (any
-`transformers` causal LM), `auto` (native where it applies, hf otherwise). Precisions: float32,
+`transformers` causal LM), `auto` (native where it applies, hf otherwise).
+
+RoPE scaling decides too. The native engine runs default, linear, llama3, dynamic and yarn
+(`models/rope.py`) and refuses any other before the weights load. For a folder, `auto` then
+takes hf, whose transformers reads `rope_scaling` itself. transformers' GGUF loader reads no RoPE
+scaling for these architectures (neither `rope.scaling.*` nor the `rope_freqs` of Llama 3.1
+files), so a .gguf with a scaling the native engine cannot run is refused on every backend:
+hf would run it silently wrong. Precisions: float32,
 bfloat16, float16 (hf only), int8 (CPU: int8 weights, float activations), auto (int8 on a CPU,
 bfloat16 on CUDA).
 """
@@ -17,6 +24,28 @@ if TYPE_CHECKING:
 
 BACKENDS = ("auto", "native", "hf")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
+
+
+def resolve_device(device: str) -> str:
+    """The device to load on: `auto` (CUDA when there is one, else the CPU), `cpu`, `cuda` or
+    `cuda:<index>`, checked against this machine before any weights load."""
+    import torch
+
+    kind, _, index = str(device).partition(":")
+    if kind == "auto" and not index:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return device
+    if kind != "cuda" or (index and not index.isdigit()):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:<index>, got {device!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"device {device}: CUDA is not available on this machine (use --device cpu or auto)"
+        )
+    count = torch.cuda.device_count()
+    if index and int(index) >= count:
+        raise ValueError(f"device {device}: this machine has {count} CUDA devices (0-{count - 1})")
+    return device
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
@@ -48,15 +77,38 @@ def architecture(spec: str) -> str | None:
     return None
 
 
+def native_refusal(spec: str) -> str | None:
+    """Why the native engine cannot run `spec` (architecture, RoPE scaling), or None. Reads the
+    config or GGUF metadata only, never the weights."""
+    from smcspec.models.llama import SUPPORTED, LlamaConfig
+
+    arch = architecture(spec)
+    if arch is None:
+        return f"the native backend needs a local model folder with config.json or a .gguf: {spec}"
+    if arch not in SUPPORTED:
+        return f"the native backend supports {', '.join(SUPPORTED)}, not {arch!r}"
+    try:
+        LlamaConfig.read(Path(spec).expanduser())
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def choose_backend(spec: str, backend: str, device: str, dtype: str) -> str:
-    """`auto` takes the native engine for a local Llama-family model on the CPU."""
+    """`auto` takes the native engine for a local Llama-family model on the CPU whose RoPE
+    scaling it runs, hf otherwise (see the module docstring for a .gguf)."""
     from smcspec.models.llama import SUPPORTED
 
     check_backend(backend)
     if backend != "auto":
         return backend
     native_ok = str(device).startswith("cpu") and dtype != "float16"
-    return "native" if native_ok and architecture(spec) in SUPPORTED else "hf"
+    if not native_ok or architecture(spec) not in SUPPORTED:
+        return "hf"
+    reason = native_refusal(spec)
+    if reason is not None and _hf_drops_rope(spec):
+        raise ValueError(f"{reason}; {_GGUF_HF_SCALING}")
+    return "native" if reason is None else "hf"
 
 
 def load(spec: str, backend: str, dtype: str, device: str) -> tuple[CausalLM, Any]:
@@ -64,8 +116,28 @@ def load(spec: str, backend: str, dtype: str, device: str) -> tuple[CausalLM, An
     from smcspec.models import hf
 
     if backend == "hf":
+        if _hf_drops_rope(spec):
+            raise ValueError(f"{spec} scales RoPE: {_GGUF_HF_SCALING}, or use --backend native")
         return hf.load(spec, dtype, device)
     return load_native(spec, dtype, device)
+
+
+_GGUF_HF_SCALING = (
+    "transformers' GGUF loader ignores RoPE scaling, so the hf backend would run this file "
+    "wrong; convert it to a safetensors folder whose config.json names the scaling"
+)
+
+
+def _hf_drops_rope(spec: str) -> bool:
+    """Whether transformers would drop the RoPE scaling of `spec`: a Llama-family .gguf with
+    `rope.scaling.*` metadata or a `rope_freqs` tensor."""
+    from smcspec.models import gguf_loader
+    from smcspec.models.llama import SUPPORTED
+
+    path = Path(spec).expanduser()
+    if path.suffix != ".gguf" or architecture(spec) not in SUPPORTED:
+        return False
+    return gguf_loader.has_rope_scaling(path)
 
 
 def load_tokenizer(spec: str) -> Any:
@@ -82,22 +154,17 @@ def load_native(spec: str, dtype: str, device: str) -> tuple[CausalLM, Any]:
     """The native Llama-family model on a paged KV cache, from a local safetensors folder or a
     .gguf file."""
     from smcspec.models.hf import collect_ids
-    from smcspec.models.llama import SUPPORTED, LlamaModel, NativeCausalLM
+    from smcspec.models.llama import LlamaModel, NativeCausalLM
 
     if not str(device).startswith("cpu"):
         raise ValueError("the native backend runs on the CPU only for now (use --backend hf)")
     if dtype == "float16":
         raise ValueError("the native backend runs float32, bfloat16 or int8, not float16")
     path = Path(spec).expanduser()
-    arch = architecture(spec)
-    if arch is None:
-        raise ValueError(
-            f"the native backend needs a local model folder with config.json or a .gguf: {spec}"
-        )
-    if arch not in SUPPORTED:
-        raise ValueError(
-            f"the native backend supports {', '.join(SUPPORTED)}, not {arch!r} (use --backend hf)"
-        )
+    reason = native_refusal(spec)
+    if reason is not None:
+        hint = _GGUF_HF_SCALING if _hf_drops_rope(spec) else "use --backend hf"
+        raise ValueError(f"{reason}; {hint}")
     tokenizer = load_tokenizer(spec)
     if path.suffix == ".gguf":
         model = LlamaModel.from_gguf(path, dtype)

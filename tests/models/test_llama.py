@@ -111,9 +111,10 @@ def test_decoder_view_matches_transformers_through_resampling(pair):
     assert mine.kv.allocator.used_pages == 0
 
 
-def write_gguf(path, hf, quant=None, arch="qwen2"):
+def write_gguf(path, hf, quant=None, arch="qwen2", extra=None):
     """The tiny model as a GGUF file (F32, or Q8_0 for the big matrices). For llama, q/k rows
-    are permuted the way llama.cpp's converter does."""
+    are permuted the way llama.cpp's converter does. `extra(writer)` may add metadata and
+    tensors (RoPE scaling)."""
     import gguf
     import numpy as np
 
@@ -143,6 +144,8 @@ def write_gguf(path, hf, quant=None, arch="qwen2"):
             w.add_tensor(names[name], gguf.quants.quantize(array, quant), raw_dtype=quant)
         else:
             w.add_tensor(names[name], np.ascontiguousarray(array))
+    if extra is not None:
+        extra(w)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -47,3 +47,33 @@ def loglog_slope(xs: list[float], ys: list[float]) -> float:
 def l1(law_a: dict, law_b: dict) -> float:
     keys = set(law_a) | set(law_b)
     return math.fsum(abs(law_a.get(k, 0.0) - law_b.get(k, 0.0)) for k in keys)
+
+
+def mean_l1_noise_bound(draws: np.ndarray, sigmas: float = 4.0) -> float:
+    """How far the mean of R i.i.d. vectors draws [R, M] may lie from their expectation in L1,
+    from sampling noise alone: E|mean_x - mu_x| ~ sqrt(2/pi) se_x per cell (normal limit), and
+    the L1 sum's standard deviation is at most sqrt(sum (1 - 2/pi) se_x^2) for independent cells;
+    `sigmas` of those bound a false alarm well below ALPHA. Multinomial draws (negatively
+    correlated cells) only make the sum's spread smaller."""
+    se = draws.std(axis=0, ddof=1) / math.sqrt(draws.shape[0])
+    mean_abs = math.sqrt(2 / math.pi) * se.sum()
+    spread = math.sqrt((1 - 2 / math.pi) * float((se**2).sum()))
+    return float(mean_abs + sigmas * spread)
+
+
+def mean_matches(draws: np.ndarray, expected: np.ndarray, min_count: float = 50.0) -> float:
+    """Smallest Bonferroni-corrected p-value that the per-cell means of draws [R, M] equal
+    `expected` [M] (two-sided z-tests with standard errors from the data). Cells whose expected
+    share is below min_count / R are pooled into one, so each cell's mean has enough nonzero
+    terms for its normal limit. Compare with ALPHA."""
+    r = draws.shape[0]
+    small = expected * r < min_count
+    columns = [draws[:, ~small]]
+    targets = [expected[~small]]
+    if small.any():
+        columns.append(draws[:, small].sum(axis=1, keepdims=True))
+        targets.append(expected[small].sum(keepdims=True))
+    x, mu = np.concatenate(columns, axis=1), np.concatenate(targets)
+    se = x.std(axis=0, ddof=1) / math.sqrt(r)
+    z = np.abs(x.mean(axis=0) - mu) / np.maximum(se, 1e-300)
+    return float(min(1.0, x.shape[1] * 2 * stats.norm.sf(z.max())))

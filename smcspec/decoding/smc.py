@@ -131,7 +131,7 @@ class SMCDecoder:
         pop.log_z += particles.log_mean_weight(pop.log_w)
         all_dead = bool(torch.isneginf(pop.log_w).all())
         weights = particles.normalize(pop.log_w) if not all_dead else torch.zeros(n).double()
-        choice = int(torch.multinomial(weights + all_dead, 1, generator=generator))
+        choice = self._draw_answer(weights, generator)
         seconds, split = clock.finish()
         all_tokens = [pop.tokens[i, : pop.lengths[i]].tolist() for i in range(n)]
         stats = {
@@ -147,6 +147,14 @@ class SMCDecoder:
             stats["valid_particles"] = int((~torch.isneginf(pop.log_w)).sum())
             stats["potential_errors"] = guide.errors[:10]
         return DecodeResult(all_tokens[choice], rounds, seconds, split, stats, all_tokens)
+
+    def _draw_answer(self, weights: torch.Tensor, generator: torch.Generator) -> int:
+        """The returned particle: i with probability W_i [N], so that the output's law is the
+        expectation of the weighted particle measure sum_i W_i delta(x_i). All-zero weights
+        (every particle died) draw uniformly."""
+        if not bool(weights.sum() > 0):
+            weights = torch.ones_like(weights)
+        return int(torch.multinomial(weights, 1, generator=generator))
 
     def _round(
         self,

@@ -1,11 +1,14 @@
 """`ar` and `sd` sample exactly the target's law over whole sequences.
 
-Toy models with 4 tokens and at most 3 new tokens have 40 possible continuations, so the law is
-enumerated exactly and R = 20,000 samples are compared with a Pearson chi-square test at level
-ALPHA (fixed seeds, so the outcome is deterministic). The power checks show the same test
-rejects a sampler that is wrong by as little as a temperature change.
+Toy models with 4 tokens and at most 3 new tokens have 40 possible continuations (at most 5: 364),
+so the law is enumerated exactly and R = 20,000 samples are compared with a Pearson chi-square
+test at level ALPHA (fixed seeds, so the outcome is deterministic). sd with K drafts needs at
+least K + 1 new tokens to draft K in a round, so K >= 3 runs with 5. The power checks show the
+same test rejects a sampler that is wrong by as little as a temperature change, and the
+plausible sd bugs of tests/decoding/broken.py.
 """
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -14,6 +17,7 @@ import torch
 from smcspec.config import SamplingConfig, SDConfig
 from smcspec.decoding import AutoregressiveDecoder, SpeculativeDecoder
 from smcspec.models.toy import sequence_law
+from tests.decoding.broken import SDOneUniformPerRound, SDWithoutResidual
 from tests.decoding.conftest import PROMPT
 from tests.stats import ALPHA, chi_square_pvalue
 
@@ -43,12 +47,27 @@ def test_ar_is_exact(target, name):
     assert chi_square_pvalue(samples, sequence_law(target, PROMPT, cfg)) > ALPHA
 
 
+def longer(cfg: SamplingConfig, max_new_tokens: int) -> SamplingConfig:
+    return dataclasses.replace(cfg, max_new_tokens=max_new_tokens)
+
+
 @pytest.mark.parametrize("k", [1, 2, 4])
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_sd_is_exact_with_a_far_draft(target, far_draft, name, k):
-    cfg = SETTINGS[name]
+    cfg = SETTINGS[name] if k < 3 else longer(SETTINGS[name], k + 1)
     samples = draw(SpeculativeDecoder(target, far_draft, SDConfig(k)), cfg, seed=2)
     assert chi_square_pvalue(samples, sequence_law(target, PROMPT, cfg)) > ALPHA
+
+
+@pytest.mark.parametrize("k", [3, 4])
+def test_sd_drafts_all_k_tokens_in_the_long_cases(target, k):
+    """The K >= 3 cases above are real: with max_new_tokens = K + 1 a round drafts K tokens
+    (a draft equal to the target accepts them all: one round, K proposed)."""
+    cfg = longer(SamplingConfig(1.0, stop_at_eos=False), k + 1)
+    out = SpeculativeDecoder(target, target, SDConfig(k)).decode(
+        PROMPT, cfg, torch.Generator().manual_seed(0)
+    )
+    assert out.rounds == 1 and out.stats["proposed_tokens"] == k and len(out.tokens) == k + 1
 
 
 def test_sd_is_exact_with_a_near_draft(target, near_draft):
@@ -68,13 +87,10 @@ def test_power_the_test_rejects_a_small_temperature_error(target):
     assert chi_square_pvalue(samples, sequence_law(target, PROMPT, SETTINGS["plain"])) < ALPHA
 
 
-def test_power_sd_without_residual_correction_is_caught(target, far_draft, monkeypatch):
-    # Sampling the correction from p instead of the residual max(0, p - q) is a classic bug.
-    from smcspec.decoding import speculative
-
-    monkeypatch.setattr(speculative, "_residual", lambda logp, logq: logp)
-    cfg = SETTINGS["plain"]
-    samples = draw(SpeculativeDecoder(target, far_draft, SDConfig(2)), cfg, seed=6)
+@pytest.mark.parametrize("bug", [SDWithoutResidual, SDOneUniformPerRound])
+def test_power_plausible_sd_bugs_are_caught(target, far_draft, bug):
+    cfg = longer(SETTINGS["plain"], 5)
+    samples = draw(bug(target, far_draft, SDConfig(4)), cfg, seed=6)
     assert chi_square_pvalue(samples, sequence_law(target, PROMPT, cfg)) < ALPHA
 
 

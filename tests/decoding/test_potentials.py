@@ -18,6 +18,7 @@ from smcspec.config import SamplingConfig, SMCConfig
 from smcspec.decoding import AutoregressiveDecoder, SMCDecoder
 from smcspec.models.toy import perturbed_lm, random_lm, sequence_law
 from smcspec.potentials import Power, Reward, TokenRule
+from tests.decoding.broken import ForgetsBonusNormalizer
 from tests.stats import ALPHA, chi_square_pvalue, loglog_slope
 
 PROMPT = [1]
@@ -108,15 +109,6 @@ def test_smc_converges_to_the_exact_target(pair, case):
     print(f"{case}: L1 {np.round(l1, 4)} slope {slope:.3f} +- {se:.3f}")
     assert slope <= -0.5 + 3 * se
     assert all(b < a for a, b in itertools.pairwise(l1))
-
-
-class ForgetsBonusNormalizer(SMCDecoder):
-    """A plausible bug for the power check: the bonus token's local normalizer is dropped."""
-
-    def _guided_bonus(self, *args):
-        bonus, log_ratio = super()._guided_bonus(*args)
-        log_ratio[:, -1] = torch.where(torch.isneginf(log_ratio[:, -1]), log_ratio[:, -1], 0.0)
-        return bonus, log_ratio
 
 
 def z_hats(decoder_cls, target, draft, potential, runs=4000):

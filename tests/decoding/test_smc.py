@@ -2,11 +2,19 @@
 
 Setup: 3 tokens (EOS + 2), at most 6 new tokens, K = 2 (two rounds of 3 tokens with a resampling
 decision between them): 127 possible continuations, enumerated exactly. For each N in 1..64 we
-run R independent decodes and keep each run's weighted particle measure  sum_i W_i delta(x_i),
-whose expectation is exactly the law of smc's output (the output is drawn with probability W_i).
+run R independent decodes and keep, per run, the weighted particle measure m = sum_i W_i delta(x_i),
+the returned sequence, and Z-hat. Three exact facts are tested:
+
+- E[delta(returned)] = E[m] at any N (the answer is drawn with probability W_i);
+- E[Z-hat m] = p at any N (SMC's unnormalized measure is unbiased; the target is normalized);
+- E[m] -> p as N grows: L1 bias O(N^-1/2), MSE of a weighted mean O(N^-1) (the paper's rates).
+
+Every test has a power check against a broken sampler from tests/decoding/broken.py.
 """
 
 import math
+from collections import Counter
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -14,13 +22,24 @@ import torch
 
 from smcspec.config import SamplingConfig, SMCConfig
 from smcspec.decoding import SMCDecoder
-from smcspec.decoding.smc import SMCDecoder as _SMC
-from smcspec.models.toy import perturbed_lm, random_lm, sequence_law
-from tests.stats import loglog_slope
+from smcspec.models.toy import ToyLM, perturbed_lm, random_lm, sequence_law
+from tests.decoding.broken import (
+    NoDraftCorrection,
+    UniformFinalDraw,
+    WrongDraftTemperatureWeights,
+    WrongWeightSign,
+)
+from tests.stats import ALPHA, chi_square_pvalue, loglog_slope, mean_l1_noise_bound, mean_matches
 
 PROMPT = [1]
 CFG = SamplingConfig(temperature=1.0, max_new_tokens=6)
 NS = [1, 2, 4, 8, 16, 32, 64]
+# The MSE rate is asymptotic: a self-normalized weighted mean has N x MSE -> s^2 only once N
+# exceeds the spread of the importance weights; before that N x MSE rises towards its limit
+# (measured with the far draft of `pair`: 2.3, 2.5, 3.1, 3.3 at N = 4, 8, 16, 32). With the
+# closer draft of `close_pair`, N x MSE is flat from N = 4 on (2.0-2.2), so the slope over
+# N = 8..64 measures the rate itself, with no allowance.
+NS_MSE = [8, 16, 32, 64]
 R = 2000
 BOOTSTRAP = 200
 
@@ -31,103 +50,270 @@ def pair():
     return target, perturbed_lm(target, seed=22, noise=1.0)
 
 
-class NoDraftCorrection(_SMC):
-    """A classic bug for the power checks: weights use log p only, forgetting - log q."""
-
-    def _propose(self, seqs, cache, k, s, generator, guide=None, ids=None):
-        tokens, logq_x, dead = super()._propose(seqs, cache, k, s, generator, guide, ids)
-        return tokens, torch.zeros_like(logq_x), dead
+@pytest.fixture(scope="module")
+def law(pair):
+    return sequence_law(pair[0], PROMPT, CFG)
 
 
-def weighted_runs(
-    decoder_cls, target, draft, n, seed, law_index, threshold=0.5, scheme="systematic"
-):
-    """Per run: weighted measure over outcomes [R, M], estimate of E[length] [R], Z-hat [R]."""
-    g = torch.Generator().manual_seed(seed)
-    dec = decoder_cls(target, draft, SMCConfig(n, 2, threshold, scheme))
-    measures = np.zeros((R, len(law_index)))
-    lengths = np.zeros(R)
-    z_hat = np.zeros(R)
-    for r in range(R):
-        out = dec.decode(PROMPT, CFG, g)
-        for tokens, w in zip(out.particles, out.stats["weights"], strict=True):
-            measures[r, law_index[tuple(tokens)]] += w
-            lengths[r] += w * len(tokens)
-        z_hat[r] = math.exp(out.stats["log_z_hat"])
-    return measures, lengths, z_hat
+@dataclass
+class Runs:
+    """R independent decodes at one N."""
+
+    measures: np.ndarray  # [R, M] weighted particle measure over the M outcomes
+    lengths: np.ndarray  # [R] weighted mean length: the estimate of E_p[length]
+    z_hat: np.ndarray  # [R]
+    returned: Counter  # outcome -> times returned
+
+    def mean_measure(self) -> np.ndarray:
+        return self.measures.mean(axis=0)
 
 
-def convergence(decoder_cls, target, draft):
-    """Fitted log-log slopes of L1(law) and MSE(E[length]) over NS, and their bootstrap SEs."""
-    law = sequence_law(target, PROMPT, CFG)
+def decode_runs(
+    decoder_cls,
+    target,
+    draft,
+    smc: SMCConfig,
+    law: dict,
+    seed: int,
+    cfg: SamplingConfig = CFG,
+    runs: int = R,
+) -> Runs:
     index = {x: i for i, x in enumerate(law)}
-    exact = np.array(list(law.values()))
-    exact_len = float(sum(len(x) * p for x, p in law.items()))
-    runs = [weighted_runs(decoder_cls, target, draft, n, seed=n, law_index=index) for n in NS]
+    g = torch.Generator().manual_seed(seed)
+    dec = decoder_cls(target, draft, smc)
+    out = Runs(np.zeros((runs, len(index))), np.zeros(runs), np.zeros(runs), Counter())
+    for r in range(runs):
+        result = dec.decode(PROMPT, cfg, g)
+        for tokens, w in zip(result.particles, result.stats["weights"], strict=True):
+            if w == 0:  # a draft outside p's support (top-k / top-p): not in the law
+                continue
+            out.measures[r, index[tuple(tokens)]] += w
+            out.lengths[r] += w * len(tokens)
+        out.z_hat[r] = math.exp(result.stats["log_z_hat"])
+        out.returned[tuple(result.tokens)] += 1
+    return out
 
-    def slopes(pick):
-        l1 = [np.abs(m[pick].mean(0) - exact).sum() for m, _, _ in runs]
-        mse = [np.mean((e[pick] - exact_len) ** 2) for _, e, _ in runs]
-        return loglog_slope(NS, l1), loglog_slope(NS, mse), l1, mse
 
-    l1_slope, mse_slope, l1, mse = slopes(np.arange(R))
+def runs_over(decoder_cls, pair, law, ns) -> dict[int, Runs]:
+    target, draft = pair
+    return {n: decode_runs(decoder_cls, target, draft, SMCConfig(n, 2), law, seed=n) for n in ns}
+
+
+@pytest.fixture(scope="module")
+def correct(pair, law) -> dict[int, Runs]:
+    return runs_over(SMCDecoder, pair, law, NS)
+
+
+@pytest.fixture(scope="module")
+def close_pair(pair):
+    return pair[0], perturbed_lm(pair[0], seed=22, noise=0.5)
+
+
+def exact_vector(law: dict) -> np.ndarray:
+    return np.array(list(law.values()))
+
+
+def l1_of_mean(runs: Runs, law: dict) -> float:
+    return float(np.abs(runs.mean_measure() - exact_vector(law)).sum())
+
+
+def final_l1_holds(runs: Runs, law: dict) -> bool:
+    """At the largest N the bias has fallen below the sampling noise of R runs: L1(mean m, p)
+    within what noise alone explains. A constant bias (of 0.1 L1, say) does not fit."""
+    return l1_of_mean(runs, law) <= mean_l1_noise_bound(runs.measures)
+
+
+def test_weighted_measure_converges_at_the_papers_rate(correct, law):
+    """L1 bias O(N^-1/2): fitted slope within 3 bootstrap standard errors of -1/2 or steeper,
+    and at N = 64 no distance left beyond the sampling noise."""
+    exact = exact_vector(law)
+
+    def slope(pick):
+        return loglog_slope(
+            NS, [np.abs(correct[n].measures[pick].mean(0) - exact).sum() for n in NS]
+        )
+
+    l1 = [l1_of_mean(correct[n], law) for n in NS]
     rng = np.random.default_rng(0)
-    boot = np.array([slopes(rng.integers(0, R, R))[:2] for _ in range(BOOTSTRAP)])
-    return l1_slope, mse_slope, boot.std(0), l1, mse
+    se = np.std([slope(rng.integers(0, R, R)) for _ in range(BOOTSTRAP)])
+    print(f"L1 {np.round(l1, 4)} slope {slope(np.arange(R)):.3f} +- {se:.3f}")
+    print(
+        f"L1 at N = 64: {l1[-1]:.4f}, noise bound {mean_l1_noise_bound(correct[64].measures):.4f}"
+    )
+    assert slope(np.arange(R)) <= -0.5 + 3 * se
+    assert final_l1_holds(correct[NS[-1]], law)
 
 
-def test_smc_error_shrinks_at_the_papers_rates(pair):
-    """L1 bias O(N^-1/2), MSE O(N^-1).
+def mse_slope(decoder_cls, close_pair, law) -> tuple[float, float]:
+    """Log-log slope of the MSE of the weighted mean length over NS_MSE, and its bootstrap SE."""
+    exact_len = math.fsum(len(x) * p for x, p in law.items())
+    runs = runs_over(decoder_cls, close_pair, law, NS_MSE)
 
-    Tolerances: 3 bootstrap standard errors of each fitted slope (the statistical error of R runs
-    per N). The MSE slope gets a further 0.1: the rate is asymptotic, and the self-normalized
-    estimate's N x MSE rises towards its limit from below (measured here: 2.6 at N = 1, 3.3-3.7
-    for N = 64..1024, i.e. a flattening of ~0.07 over this range). The power check below shows a
-    biased sampler lands far outside both bounds.
-    """
+    def slope(pick):
+        return loglog_slope(
+            NS_MSE, [np.mean((runs[n].lengths[pick] - exact_len) ** 2) for n in NS_MSE]
+        )
+
+    rng = np.random.default_rng(0)
+    se = float(np.std([slope(rng.integers(0, R, R)) for _ in range(BOOTSTRAP)]))
+    return slope(np.arange(R)), se
+
+
+def test_mse_of_a_weighted_mean_falls_as_one_over_n(close_pair, law):
+    """MSE O(N^-1) over N = 8..64 (see NS_MSE), within 3 bootstrap standard errors."""
+    slope, se = mse_slope(SMCDecoder, close_pair, law)
+    print(f"MSE slope over N = {NS_MSE}: {slope:.3f} +- {se:.3f}")
+    assert slope <= -1.0 + 3 * se
+
+
+def test_power_a_sampler_without_the_draft_correction_fails_both_rates(pair, close_pair, law):
+    slope, se = mse_slope(NoDraftCorrection, close_pair, law)
+    assert slope > -1.0 + 3 * se
     target, draft = pair
-    l1_slope, mse_slope, se, l1, mse = convergence(SMCDecoder, target, draft)
-    print(f"L1 {np.round(l1, 4)} slope {l1_slope:.3f} +- {se[0]:.3f}")
-    print(f"MSE {np.round(mse, 4)} slope {mse_slope:.3f} +- {se[1]:.3f}")
-    assert l1_slope <= -0.5 + 3 * se[0]
-    assert mse_slope <= -1.0 + 3 * se[1] + 0.1
-    assert l1[-1] < 0.05
+    runs = decode_runs(NoDraftCorrection, target, draft, SMCConfig(NS[-1], 2), law, seed=NS[-1])
+    assert not final_l1_holds(runs, law)
 
 
-def test_power_a_biased_sampler_fails_the_rate_test(pair):
+def returned_follows_weights(runs: Runs, law: dict) -> float:
+    """Chi-square p-value of the returned sequences against the mean weighted measure.
+
+    E[delta(returned)] = E[m] exactly, so R * mean(m) is the right expectation. Given the runs'
+    particles the R returns are independent with covariance sum_r diag(m_r) - m_r m_r^T, which
+    is below the multinomial covariance R (diag(mean m) - mean m mean m^T) used by Pearson's
+    statistic: the test is conservative, never liberal, at any N."""
+    expected = dict(zip(law, runs.mean_measure(), strict=True))
+    return chi_square_pvalue(runs.returned, expected)
+
+
+@pytest.mark.parametrize("n", NS[1:])
+def test_the_returned_sequence_is_drawn_by_weight(correct, law, n):
+    assert returned_follows_weights(correct[n], law) > ALPHA
+
+
+def returned_law_within_reach(runs: Runs, law: dict) -> bool:
+    """L1(empirical law of returns, p) <= L1(mean m, p) + noise of the returns + noise of mean m
+    (triangle inequality through E[returned] = E[m]; noise bounds at 4 standard deviations)."""
+    index = {x: i for i, x in enumerate(law)}
+    returns = np.zeros((sum(runs.returned.values()), len(law)))
+    row = 0
+    for x, count in runs.returned.items():
+        returns[row : row + count, index[x]] = 1.0
+        row += count
+    distance = float(np.abs(returns.mean(axis=0) - exact_vector(law)).sum())
+    bound = (
+        l1_of_mean(runs, law) + mean_l1_noise_bound(returns) + mean_l1_noise_bound(runs.measures)
+    )
+    print(f"returned law L1 {distance:.3f}, bound {bound:.3f}")
+    return distance <= bound
+
+
+def returned_l1(runs: Runs, law: dict) -> float:
+    r = sum(runs.returned.values())
+    return math.fsum(abs(runs.returned.get(x, 0) / r - p) for x, p in law.items())
+
+
+def test_the_returned_law_approaches_the_target_as_n_grows(correct, law):
+    """The law of what `generate` returns is as close to p as the weighted measure (which the
+    rate test drives to p), and the distance falls from N = 1 to N = 64."""
+    distances = [returned_l1(correct[n], law) for n in NS]
+    print(f"returned law L1 by N: {np.round(distances, 3)}")
+    assert all(returned_law_within_reach(correct[n], law) for n in NS)
+    assert distances[-1] < distances[0] / 2
+
+
+def test_power_a_final_draw_that_ignores_the_weights_is_caught(pair, law):
+    """Particles and weights are right; only the answer is picked uniformly."""
     target, draft = pair
-    l1_slope, mse_slope, se, l1, _ = convergence(NoDraftCorrection, target, draft)
-    assert l1_slope > -0.5 + 3 * se[0] or mse_slope > -1.0 + 3 * se[1] + 0.1
-    assert l1[-1] > 0.1
+    for n, seed in ((4, 40), (16, 41)):
+        runs = decode_runs(UniformFinalDraw, target, draft, SMCConfig(n, 2), law, seed)
+        assert returned_follows_weights(runs, law) < ALPHA
+        assert not returned_law_within_reach(runs, law)
+
+
+def unnormalized_measure_pvalue(runs: Runs, law: dict) -> float:
+    """E[Z-hat m] = p at any N: per-outcome z-tests, Bonferroni-corrected."""
+    return mean_matches(runs.z_hat[:, None] * runs.measures, exact_vector(law))
+
+
+@pytest.mark.parametrize("bug", [NoDraftCorrection, WrongWeightSign])
+def test_power_the_unnormalized_measure_test_rejects_wrong_weights(pair, law, bug):
+    target, draft = pair
+    runs = decode_runs(bug, target, draft, SMCConfig(4, 2), law, seed=50)
+    assert unnormalized_measure_pvalue(runs, law) < ALPHA
+
+
+def scaled(model: ToyLM, factor: float) -> ToyLM:
+    """A draft with the target's logits times `factor`: the same ranking, so top-k keeps the
+    same tokens, and with factor < 1 a flatter law whose nucleus (top-p) contains the target's.
+    SMC needs q > 0 wherever p > 0; a truncated draft that cut a token p allows would bias it."""
+    return ToyLM(
+        lambda prefix: factor * model.logits(prefix), model.vocab_size, model.eos_token_ids
+    )
+
+
+SMALL_R = 1500
+# name: (sampling settings, draft from the target, SMC settings); each runs at N = 4.
+SETTINGS = {
+    "top-k": (SamplingConfig(1.0, top_k=2, max_new_tokens=6), lambda t: scaled(t, 0.6), None),
+    "top-p": (SamplingConfig(1.0, top_p=0.8, max_new_tokens=6), lambda t: scaled(t, 0.6), None),
+    "draft temperature": (
+        SamplingConfig(1.0, draft_temperature=1.6, max_new_tokens=6),
+        lambda t: perturbed_lm(t, seed=23, noise=0.7),
+        None,
+    ),
+    "ignore eos": (
+        SamplingConfig(1.0, max_new_tokens=5, stop_at_eos=False),
+        lambda t: perturbed_lm(t, seed=24, noise=1.0),
+        None,
+    ),
+    **{
+        f"{scheme} resampling": (CFG, lambda t: perturbed_lm(t, seed=25, noise=1.0), scheme)
+        for scheme in ("systematic", "multinomial", "stratified", "residual")
+    },
+}
+
+
+def settings_runs(decoder_cls, pair, name: str, seed: int) -> tuple[Runs, dict]:
+    cfg, make_draft, scheme = SETTINGS[name]
+    target = pair[0]
+    # threshold 1: resample whenever the weights are not all equal, so every scheme is used
+    smc = SMCConfig(4, 2, 1.0, scheme) if scheme else SMCConfig(4, 2)
+    law = sequence_law(target, PROMPT, cfg)
+    runs = decode_runs(decoder_cls, target, make_draft(target), smc, law, seed, cfg, SMALL_R)
+    return runs, law
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_smc_is_right_under_every_setting(pair, name):
+    """Cheap exact checks at N = 4: the unnormalized measure is unbiased for p under these
+    settings (so weights, truncation and the bonus token are right), and the answer is drawn
+    by weight."""
+    runs, law = settings_runs(SMCDecoder, pair, name, seed=60)
+    if name == "ignore eos":
+        assert all(len(x) == 5 for x in runs.returned)
+    assert unnormalized_measure_pvalue(runs, law) > ALPHA
+    assert returned_follows_weights(runs, law) > ALPHA
+
+
+def test_power_weights_at_the_wrong_draft_temperature_are_caught(pair):
+    runs, law = settings_runs(WrongDraftTemperatureWeights, pair, "draft temperature", seed=60)
+    assert unnormalized_measure_pvalue(runs, law) < ALPHA
 
 
 @pytest.mark.parametrize("scheme", ["systematic", "multinomial", "stratified", "residual"])
 @pytest.mark.parametrize("threshold", [0.5, 1.0])
-def test_normalizing_constant_estimate_is_unbiased(pair, scheme, threshold):
+def test_normalizing_constant_estimate_is_unbiased(pair, law, scheme, threshold):
     """The target is normalized, so E[Z-hat] = 1. 4 standard errors: false alarm < 1e-4."""
     target, draft = pair
-    law = sequence_law(target, PROMPT, CFG)
-    _, _, z_hat = weighted_runs(
-        SMCDecoder,
-        target,
-        draft,
-        4,
-        seed=7,
-        law_index={x: i for i, x in enumerate(law)},
-        threshold=threshold,
-        scheme=scheme,
-    )
-    se = z_hat.std() / math.sqrt(R)
-    assert abs(z_hat.mean() - 1.0) <= 4 * se, (z_hat.mean(), se)
+    runs = decode_runs(SMCDecoder, target, draft, SMCConfig(4, 2, threshold, scheme), law, seed=7)
+    se = runs.z_hat.std() / math.sqrt(R)
+    assert abs(runs.z_hat.mean() - 1.0) <= 4 * se, (runs.z_hat.mean(), se)
 
 
-def test_power_z_hat_of_a_biased_sampler_is_caught(pair):
+def test_power_z_hat_of_a_biased_sampler_is_caught(pair, law):
     target, draft = pair
-    law = sequence_law(target, PROMPT, CFG)
-    _, _, z_hat = weighted_runs(
-        NoDraftCorrection, target, draft, 4, seed=7, law_index={x: i for i, x in enumerate(law)}
-    )
-    assert abs(z_hat.mean() - 1.0) > 4 * z_hat.std() / math.sqrt(R)
+    runs = decode_runs(NoDraftCorrection, target, draft, SMCConfig(4, 2), law, seed=7)
+    assert abs(runs.z_hat.mean() - 1.0) > 4 * runs.z_hat.std() / math.sqrt(R)
 
 
 def test_draft_equal_to_target_keeps_uniform_weights():

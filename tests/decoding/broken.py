@@ -1,0 +1,106 @@
+"""Deliberately broken samplers: each is a bug a careful implementer could plausibly make, and
+each statistical test of the suite is shown to reject at least one of them (the power checks).
+A test that no realistic bug can fail would prove nothing.
+
+Bug -> what it does wrong -> the test that rejects it:
+- NoDraftCorrection: weights sum log p, forgetting - log q -> rates, Z-hat, unnormalized measure
+- WrongWeightSign: weights grow by log q - log p -> unnormalized measure
+- UniformFinalDraw: the answer ignores the weights -> both returned-law tests
+- ForgetsBonusNormalizer: a shaped bonus token's normalizer is dropped -> Z-hat with a potential
+- WrongDraftTemperatureWeights: q scored at the target's temperature -> unnormalized measure
+- SDWithoutResidual: a rejected draft is redrawn from p, not (p - q)+ -> sd chi-square
+- SDOneUniformPerRound: one uniform decides all K accept tests of a round -> sd chi-square
+"""
+
+from __future__ import annotations
+
+import torch
+
+from smcspec import sampling
+from smcspec.decoding.smc import SMCDecoder
+from smcspec.decoding.speculative import SpeculativeDecoder
+
+
+class NoDraftCorrection(SMCDecoder):
+    """Weights use log p only: the proposal's log q is dropped."""
+
+    def _propose(self, seqs, cache, k, s, generator, guide=None, ids=None):
+        tokens, logq_x, dead = super()._propose(seqs, cache, k, s, generator, guide, ids)
+        return tokens, torch.zeros_like(logq_x), dead
+
+
+class WrongWeightSign(SMCDecoder):
+    """The incremental weight is q / p instead of p / q."""
+
+    def _commit(self, pop, drafts, bonus, log_ratio, s):
+        super()._commit(pop, drafts, bonus, -log_ratio, s)
+
+
+class UniformFinalDraw(SMCDecoder):
+    """Returns a particle chosen uniformly: right particles and weights, wrong answer."""
+
+    def _draw_answer(self, weights, generator):
+        return super()._draw_answer(torch.ones_like(weights), generator)
+
+
+class ForgetsBonusNormalizer(SMCDecoder):
+    """With a potential, the bonus token's local normalizer (a weight term) is dropped."""
+
+    def _guided_bonus(self, *args):
+        bonus, log_ratio = super()._guided_bonus(*args)
+        log_ratio[:, -1] = torch.where(torch.isneginf(log_ratio[:, -1]), log_ratio[:, -1], 0.0)
+        return bonus, log_ratio
+
+
+class WrongDraftTemperatureWeights(SMCDecoder):
+    """Drafts at `draft_temperature` but weights with q at the target's temperature."""
+
+    def _propose(self, seqs, cache, k, s, generator, guide=None, ids=None):
+        tokens, logq_x, dead = super()._propose(seqs, cache, k, s, generator, guide, ids)
+        # Re-score the drafts under q at the target temperature, on a fresh pass of the toy draft.
+        logq_wrong = torch.zeros_like(logq_x)
+        for row in range(seqs.shape[0]):
+            prefix = tuple(seqs[row].tolist())
+            for i in range(k):
+                logits = self.draft.logits(prefix + tuple(tokens[row, :i].tolist()))
+                logq = sampling.log_probs(logits, s.temperature, s.top_k, s.top_p)
+                logq_wrong[row, i] = logq[tokens[row, i]]
+        return tokens, logq_wrong, dead
+
+
+class SDWithoutResidual(SpeculativeDecoder):
+    """After a rejection the token is redrawn from p instead of the residual max(0, p - q)."""
+
+    def _accept(self, drafts, logq, logp, s, generator):
+        return _accept(self, drafts, logq, logp, s, generator, residual=False)
+
+
+class SDOneUniformPerRound(SpeculativeDecoder):
+    """One uniform u decides every accept test of a round (they must be independent)."""
+
+    def _accept(self, drafts, logq, logp, s, generator):
+        return _accept(self, drafts, logq, logp, s, generator, shared_uniform=True)
+
+
+def _accept(dec, drafts, logq, logp, s, generator, residual=True, shared_uniform=False):
+    """The rejection step of `SpeculativeDecoder._accept`, with one of the two bugs switched on."""
+    from smcspec.decoding.speculative import _residual
+
+    eos = dec.target.eos_token_ids
+    block: list[int] = []
+    u_shared = torch.rand((), generator=generator, dtype=torch.float64)
+    for i, x in enumerate(drafts.tolist()):
+        ratio = torch.exp(logp[i, x] - logq[i, x]).clamp(max=1.0)
+        u = u_shared if shared_uniform else torch.rand((), generator=generator, dtype=torch.float64)
+        if u < ratio:
+            block.append(x)
+            if s.stop_at_eos and x in eos:
+                return block, i + 1, i + 1, True
+            continue
+        law = _residual(logp[i], logq[i]) if residual else logp[i]
+        token = int(sampling.sample(law, generator))
+        block.append(token)
+        return block, i, i + 1, s.stop_at_eos and token in eos
+    token = int(sampling.sample(logp[len(block)], generator))
+    block.append(token)
+    return block, len(drafts), len(drafts), s.stop_at_eos and token in eos

@@ -77,3 +77,12 @@ def mean_matches(draws: np.ndarray, expected: np.ndarray, min_count: float = 50.
     se = x.std(axis=0, ddof=1) / math.sqrt(r)
     z = np.abs(x.mean(axis=0) - mu) / np.maximum(se, 1e-300)
     return float(min(1.0, x.shape[1] * 2 * stats.norm.sf(z.max())))
+
+
+def rate_bound(l1_before: float, noise_before: float, n_before: int, n: int, noise: float) -> float:
+    """The largest L1(mean measure, exact) at N = n that the paper's O(N^-1/2) bias rate allows,
+    given the distance measured at n_before < n. The bias at n_before is at most its measured
+    L1 plus that point's noise bound; the rate shrinks it by sqrt(n_before / n); the measured
+    distance at n may exceed that only by its own noise bound (see mean_l1_noise_bound). A bias
+    that stops falling (a plateau, the mark of a wrong sampler) does not fit."""
+    return (l1_before + noise_before) * math.sqrt(n_before / n) + noise

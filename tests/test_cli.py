@@ -1,17 +1,22 @@
-"""The CLI refuses bad input with one line and exit status 2, before loading any model."""
+"""The CLI: every subcommand's help and plain form work; bad input gets one line and exit
+status 2 before any model loads; generate's options reach `LLM.generate`."""
 
+import argparse
+import io
+import json
 import subprocess
 import sys
 
 import pytest
 
-from smcspec import cli
+from smcspec import LLM, cli
 
 
 @pytest.mark.parametrize(
     ("args", "field"),
     [
-        (["-n", "0"], "particles"),
+        (["--particles", "0"], "particles"),
+        (["--particles", "65"], "--allow-large"),
         (["-k", "0"], "draft_tokens"),
         (["--resample-threshold", "2"], "resample_threshold"),
         (["--temperature", "-1"], "temperature"),
@@ -46,3 +51,195 @@ def test_unknown_method_is_an_argparse_error():
     )
     assert result.returncode == 2 and "invalid choice" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+class Loading(Exception):
+    """Raised where a model would be looked for: everything before it was accepted."""
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise Loading
+
+    monkeypatch.setattr("smcspec.models.defaults.ensure", refuse)
+    monkeypatch.setattr("smcspec.models.loader.load", refuse)
+    monkeypatch.setattr("smcspec.bench.serving.run_serve_bench", refuse)  # its server loads them
+
+
+def commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    """(words, parser) of the root and every subcommand, read from the parser itself."""
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from commands(sub, (*path, name))
+
+
+def is_leaf(parser: argparse.ArgumentParser) -> bool:
+    return not any(isinstance(a, argparse._SubParsersAction) for a in parser._actions)
+
+
+ALL = list(commands(cli.build_parser()))
+LEAVES = [(path, p) for path, p in ALL if is_leaf(p)]
+
+
+@pytest.mark.parametrize("path", [path for path, _ in ALL], ids=" ".join)
+def test_every_command_has_a_help(capsys, path):
+    with pytest.raises(SystemExit) as done:
+        cli.main([*path, "--help"])
+    assert done.value.code == 0
+    assert "usage: smcspec" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("path", "parser"), ALL, ids=[" ".join(p) for p, _ in ALL])
+def test_every_option_states_its_default(path, parser):
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if not action.option_strings or action.help == argparse.SUPPRESS:
+            continue
+        if isinstance(action, argparse._HelpAction | argparse._VersionAction):
+            continue
+        if isinstance(action, argparse._StoreTrueAction):
+            continue  # off unless given
+        shown = action.help and formatter._get_help_string(action)  # no help: nothing shown
+        assert shown and "default" in shown, (path, action.option_strings)
+
+
+def toy_speed_results(folder) -> None:
+    """A speed.jsonl for `bench report` to read, from toy models."""
+    from smcspec.bench.contenders import build_grid
+    from smcspec.bench.speed import SpeedPlan, run_speed
+    from smcspec.models.toy import perturbed_lm, random_lm
+    from tests.bench.test_runs import WordTokenizer
+
+    target = random_lm(5, seed=1)
+    llm = LLM.from_models(target, perturbed_lm(target, seed=2, noise=0.5), WordTokenizer())
+    plan = SpeedPlan(build_grid(["ar"], [2], [2], [2]), [0.7], prompts=1, max_new_tokens=2)
+    run_speed(llm, plan, folder)
+
+
+@pytest.mark.parametrize("path", [path for path, _ in LEAVES], ids=" ".join)
+def test_every_command_runs_without_options(no_loading, tmp_path, monkeypatch, path):
+    """Each subcommand with only its required arguments passes every check and gets as far as
+    loading the models (or, for report, reads the results in ./bench-results)."""
+    monkeypatch.chdir(tmp_path)
+    toy_speed_results(tmp_path / "bench-results")
+    parser = dict(LEAVES)[path]
+    positionals = ["w1" for a in parser._actions if not a.option_strings]
+    try:
+        status = cli.main([*path, *positionals])
+    except Loading:
+        return  # every check passed; the models were next
+    assert status == 0
+
+
+def test_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"smcspec {version('smcspec')}"
+
+
+def test_n_is_not_an_option_any_more(capsys):
+    """`-n` means choices in OpenAI's API and tokens in llama.cpp: only --particles exists."""
+    for command in (["generate", "w1"], ["serve"], ["bench", "json"]):
+        with pytest.raises(SystemExit) as done:
+            cli.main([*command, "-n", "4"])
+        assert done.value.code == 2
+        assert "unrecognized arguments: -n" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--device", "cuda"], "CUDA is not available"),
+        (["--device", "cuda:1"], "CUDA is not available"),
+        (["--device", "tpu"], "device must be"),
+        (["--regex", "(ab"], "invalid regex"),
+        (["--regex", "[z-a]"], "invalid regex"),
+        (["--system", "be brief", "--no-chat"], "--system"),
+    ],
+)
+def test_device_and_constraints_are_checked_before_loading(
+    capsys, monkeypatch, no_loading, args, message
+):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert cli.main(["generate", "w1", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("smcspec: error:") and message in err and "\n" not in err
+
+
+@pytest.mark.parametrize(
+    ("flag", "text", "message"),
+    [
+        ("--json-schema", "{not json", "invalid JSON schema"),
+        ("--json-schema", '{"type": "objectx"}', "invalid JSON schema"),
+        ("--json-schema", "[1, 2]", "invalid JSON schema"),
+        ("--grammar", "start: foo(", "invalid grammar"),
+        ("--grammar", "start: undefined_rule", "invalid grammar"),
+    ],
+)
+def test_bad_schema_and_grammar_files_are_checked_before_loading(
+    capsys, no_loading, tmp_path, flag, text, message
+):
+    path = tmp_path / "file"
+    path.write_text(text)
+    assert cli.main(["generate", "w1", flag, str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("smcspec: error:") and message in err and "\n" not in err
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_llama_folder, tiny_llama_draft_folder):
+    return LLM(str(tiny_llama_folder), str(tiny_llama_draft_folder), dtype="float32")
+
+
+def run_generate(monkeypatch, capsys, llm, args, stdin: str | None = None):
+    """`smcspec generate ARGS --json` on `llm`; (the keyword arguments generate got, output)."""
+    calls = []
+    real = llm.generate
+
+    def spy(prompt, method=None, **settings):
+        calls.append({"prompt": prompt, "method": method, **settings})
+        return real(prompt, method, **settings)
+
+    monkeypatch.setattr(llm, "generate", spy)
+    monkeypatch.setattr(cli, "llm_from_args", lambda args, backend=None: llm)
+    if stdin is not None:
+        monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+    assert cli.main(["generate", *args, "--max-new-tokens", "3", "--seed", "0", "--json"]) == 0
+    return calls[0], json.loads(capsys.readouterr().out)
+
+
+def test_generate_defaults_to_sd_and_smc_when_a_potential_is_given(monkeypatch, capsys, tiny_llm):
+    call, out = run_generate(monkeypatch, capsys, tiny_llm, ["w1 w2"])
+    assert call["method"] is None and call["draft_tokens"] is None and out["method"] == "sd"
+    call, out = run_generate(monkeypatch, capsys, tiny_llm, ["w1", "--power-alpha", "2"])
+    assert out["method"] == "smc" and len(out["particle_texts"]) == 2
+
+
+def test_system_message_goes_before_the_prompt(monkeypatch, capsys, tiny_llm):
+    call, _ = run_generate(monkeypatch, capsys, tiny_llm, ["w1 w2", "--system", "w5"])
+    messages = [{"role": "system", "content": "w5"}, {"role": "user", "content": "w1 w2"}]
+    assert call["prompt"] == tiny_llm.encode_messages(messages)
+
+
+def test_a_dash_reads_the_prompt_from_standard_input(monkeypatch, capsys, tiny_llm):
+    call, _ = run_generate(monkeypatch, capsys, tiny_llm, ["-"], stdin="w3 w4\n")
+    assert call["prompt"] == "w3 w4\n"
+
+
+def test_an_empty_standard_input_is_an_empty_prompt(monkeypatch, capsys):
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert cli.main(["generate", "-"]) == 2
+    assert "prompt is empty" in capsys.readouterr().err
+
+
+def test_stop_strings_reach_generate(monkeypatch, capsys, tiny_llm):
+    args = ["w1", "--stop", "w7", "--stop", "w9 w9"]
+    call, out = run_generate(monkeypatch, capsys, tiny_llm, args)
+    assert call["stop"] == ["w7", "w9 w9"]
+    assert "finish_reason" in out

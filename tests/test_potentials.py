@@ -9,6 +9,7 @@ import itertools
 import math
 from collections import Counter
 
+import llguidance  # a hard dependency: a broken install must fail, not skip
 import numpy as np
 import pytest
 import torch
@@ -18,9 +19,7 @@ from smcspec.config import SamplingConfig, SMCConfig
 from smcspec.decoding import AutoregressiveDecoder, SMCDecoder
 from smcspec.models.toy import perturbed_lm, random_lm
 from smcspec.potentials import Constraint
-from tests.stats import ALPHA, chi_square_pvalue, loglog_slope
-
-llguidance = pytest.importorskip("llguidance")
+from tests.stats import ALPHA, chi_square_pvalue, loglog_slope, mean_l1_noise_bound, rate_bound
 
 V = 257
 PROMPT = [ord("x") + 1]
@@ -130,6 +129,8 @@ def test_smc_converges_to_the_exact_conditional_and_masking_does_not(pair, token
     assert slope <= -0.5 + 3 * se
     assert all(b < a for a, b in itertools.pairwise(l1))
     assert l1[-1] < gap / 4
+    noise = [mean_l1_noise_bound(m) for m in measures[-2:]]
+    assert l1[-1] <= rate_bound(l1[-2], noise[0], ns[-2], ns[-1], noise[1])
 
     masked_ar = AutoregressiveDecoder(target, Constraint.regex("(ab|ba)c?", tokenizer, V))
     g = torch.Generator().manual_seed(3)
@@ -153,3 +154,31 @@ def test_lark_grammar_and_json_schema_constraints_mask_alike(tokenizer):
         assert schema.allowed(state)[ord(ch) + 1]
         state = schema.advance(state, ord(ch) + 1)
     assert schema.log_end(state) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("kind", "text", "message"),
+    [
+        ("regex", "(ab", "invalid regex.*unclosed group"),
+        ("json_schema", "{not json", "invalid JSON schema"),
+        ("json_schema", {"type": "objectx"}, "invalid JSON schema"),
+        ("json_schema", "[1, 2]", "invalid JSON schema"),
+        ("grammar", "start: foo(", "invalid grammar"),
+        ("grammar", "start: undefined_rule", "invalid grammar.*undefined_rule"),
+        ("xml", "<a/>", "constraint kind"),
+    ],
+)
+def test_constraints_compile_without_a_tokenizer(kind, text, message):
+    """Checked before any model (or its tokenizer) loads, each error in one line."""
+    from smcspec.potentials import grammar_of
+
+    with pytest.raises(ValueError, match=message) as err:
+        grammar_of(kind, text)
+    assert "\n" not in str(err.value)
+
+
+def test_a_compiled_constraint_is_the_one_the_tokenizer_uses(tokenizer):
+    from smcspec.potentials import grammar_of
+
+    for kind, text in (("regex", "(ab|ba)c?"), ("grammar", 'start: "ab"'), ("json_schema", {})):
+        assert Constraint(grammar_of(kind, text), tokenizer, V).grammar == grammar_of(kind, text)

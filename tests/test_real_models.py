@@ -54,7 +54,7 @@ def test_cli_json_on_the_default_pair():
             "--method",
             "smc",
             "--json",
-            "-n",
+            "--particles",
             "2",
             "-k",
             "2",

@@ -39,6 +39,8 @@ def test_grid_expansion_and_errors():
         build_grid([], [2], [2], [2])
     with pytest.raises(ValueError, match="particles"):
         build_grid(["smc"], [2], [0], [2])
+    with pytest.raises(ValueError, match=r"particles .* <= 64"):  # as generate bounds them
+        build_grid(["smc"], [2], [65], [2])
     with pytest.raises(ValueError, match="empty"):
         parse_ints(" , ", "--smc-n")
     with pytest.raises(ValueError, match="integers"):

@@ -19,7 +19,14 @@ from smcspec.decoding import AutoregressiveDecoder, SMCDecoder
 from smcspec.models.toy import perturbed_lm, random_lm, sequence_law
 from smcspec.potentials import Power, Reward, TokenRule
 from tests.decoding.broken import ForgetsBonusNormalizer
-from tests.stats import ALPHA, chi_square_pvalue, loglog_slope
+from tests.stats import (
+    ALPHA,
+    chi_square_pvalue,
+    loglog_slope,
+    mean_l1_noise_bound,
+    mean_matches,
+    rate_bound,
+)
 
 PROMPT = [1]
 CFG = SamplingConfig(temperature=1.0, max_new_tokens=4)
@@ -77,9 +84,9 @@ CASES = {
 }
 
 
-def weighted_measures(target, draft, potential, n, seed, index):
+def weighted_measures(target, draft, potential, n, seed, index, cls=SMCDecoder):
     g = torch.Generator().manual_seed(seed)
-    dec = SMCDecoder(target, draft, SMCConfig(n, 2, 0.5), potential)
+    dec = cls(target, draft, SMCConfig(n, 2, 0.5), potential)
     out_measures = np.zeros((R, len(index)))
     for r in range(R):
         out = dec.decode(PROMPT, CFG, g)
@@ -109,23 +116,64 @@ def test_smc_converges_to_the_exact_target(pair, case):
     print(f"{case}: L1 {np.round(l1, 4)} slope {slope:.3f} +- {se:.3f}")
     assert slope <= -0.5 + 3 * se
     assert all(b < a for a, b in itertools.pairwise(l1))
+    bound = final_bound(runs, l1)
+    print(f"{case}: L1 at N = {NS[-1]} {l1[-1]:.4f}, bound {bound:.4f}")
+    assert l1[-1] <= bound
 
 
-def z_hats(decoder_cls, target, draft, potential, runs=4000):
+def final_bound(runs, l1) -> float:
+    """What the O(N^-1/2) rate and the sampling noise allow at the largest N (see rate_bound)."""
+    noise = [mean_l1_noise_bound(m) for m in runs[-2:]]
+    return rate_bound(l1[-2], noise[0], NS[-2], NS[-1], noise[1])
+
+
+def test_power_a_plateau_fails_the_final_bound(pair):
+    """Dropping the bonus token's normalizer leaves a bias that does not fall with N."""
+    target, draft = pair
+    law = sequence_law(target, PROMPT, CFG)
+    exact = exact_target(law, lambda x: law[x])
+    index = {x: i for i, x in enumerate(law)}
+    exact_vec = np.array([exact[x] for x in law])
+    runs = [
+        weighted_measures(
+            target, draft, Power(2.0), n, seed=n, index=index, cls=ForgetsBonusNormalizer
+        )
+        for n in NS[-2:]
+    ]
+    l1 = [np.abs(m.mean(0) - exact_vec).sum() for m in runs]
+    assert l1[-1] > final_bound(runs, l1)
+
+
+def z_hats(decoder_cls, target, draft, potential, runs=4000, index=None):
+    """Z-hat of `runs` decodes at N = 4 [runs] and, given an outcome index, Z-hat times each
+    run's weighted particle measure [runs, M]."""
     dec = decoder_cls(target, draft, SMCConfig(4, 2, 0.5), potential)
     g = torch.Generator().manual_seed(1)
-    return np.array([math.exp(dec.decode(PROMPT, CFG, g).stats["log_z_hat"]) for _ in range(runs)])
+    zs = np.zeros(runs)
+    scaled = np.zeros((runs, len(index or ())))
+    for r in range(runs):
+        out = dec.decode(PROMPT, CFG, g)
+        zs[r] = math.exp(out.stats["log_z_hat"])
+        for tokens, w in zip(out.particles, out.stats["weights"], strict=True):
+            if index is not None and w > 0:
+                scaled[r, index[tuple(tokens)]] += zs[r] * w
+    return (zs, scaled) if index is not None else zs
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_normalizing_constant_of_the_unnormalized_target_is_unbiased(pair, case):
-    """E[Z-hat] = Z = sum_x p(x) phi(x) for any N; 4 standard errors (false alarm < 1e-4)."""
+    """E[Z-hat] = Z = sum_x p(x) phi(x) for any N; 4 standard errors (false alarm < 1e-4). And
+    outcome by outcome, E[Z-hat m] = p(x) phi(x) at any N (SMC's unnormalized measure is
+    unbiased), which a bias in any particle's weight breaks."""
     make, factor = CASES[case]
     target, draft = pair
     law = sequence_law(target, PROMPT, CFG)
-    z = math.fsum(law[x] * factor(x, law[x]) for x in law)
-    zs = z_hats(SMCDecoder, target, draft, make())
+    unnormalized = np.array([law[x] * factor(x, law[x]) for x in law])
+    index = {x: i for i, x in enumerate(law)}
+    zs, scaled = z_hats(SMCDecoder, target, draft, make(), index=index)
+    z = math.fsum(unnormalized)
     assert abs(zs.mean() - z) <= 4 * zs.std() / math.sqrt(len(zs)), (zs.mean(), z)
+    assert mean_matches(scaled, unnormalized) > ALPHA
 
 
 def test_power_check_a_dropped_normalizer_is_caught(pair):

@@ -115,3 +115,133 @@ def test_potentials_through_the_api():
         llm.generate([1, 2], "smc", regex="a+", grammar="start: 'a'")
     with pytest.raises(ValueError, match="reward needs smc"):
         llm.generate([1, 2], "ar", reward=lambda text: 1.0)
+
+
+def test_each_method_reserves_its_own_lookahead():
+    """A round can write K draft tokens past the last committed one, K being the running
+    method's own: sd's for sd, smc's for smc, none for ar."""
+    from smcspec.config import SamplingConfig, SDConfig, SMCConfig
+    from smcspec.engine import Request
+
+    def request(method):
+        sampling = SamplingConfig(max_new_tokens=10)
+        return Request([1, 2, 3], method, sampling, SMCConfig(2, 2), SDConfig(6), None, 0)
+
+    assert request("sd").max_length() == 3 + 10 + 6
+    assert request("smc").max_length() == 3 + 10 + 2
+    assert request("ar").max_length() == 3 + 10
+
+
+def test_defaults_are_the_fastest_measured_and_resolved_per_method(llm):
+    """No method: sd with K=4; smc without settings: N=2, K=8; a potential without a method:
+    smc (sd refuses potentials). An explicit K applies to whichever method runs."""
+    sd = llm.plan([1])
+    assert sd.method == "sd" and sd.sd.draft_tokens == 4 and sd.max_length() == 1 + 128 + 4
+    smc = llm.plan([1], "smc")
+    assert (smc.smc.particles, smc.smc.draft_tokens, smc.max_length()) == (2, 8, 1 + 128 + 8)
+    assert llm.plan([1], power_alpha=2.0).method == "smc"
+    assert llm.plan([1], "ar", power_alpha=2.0).method == "ar"
+    assert llm.plan([1], "smc", draft_tokens=3).smc.draft_tokens == 3
+    assert llm.plan([1], "sd", draft_tokens=3).sd.draft_tokens == 3
+    assert llm.generate([1], max_new_tokens=3, seed=0).method == "sd"
+
+
+def test_particles_are_bounded_unless_large_is_allowed(llm):
+    llm.plan([1], "smc", particles=64)
+    with pytest.raises(ValueError, match=r"particles .* 64.*allow_large"):
+        llm.plan([1], "smc", particles=65)
+    assert llm.plan([1], "smc", particles=65, allow_large=True).smc.particles == 65
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Fail the test if any model is looked for, downloaded or loaded."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was looked for or loaded")
+
+    monkeypatch.setattr("smcspec.models.defaults.ensure", refuse)
+    monkeypatch.setattr("smcspec.models.loader.load", refuse)
+
+
+@pytest.mark.parametrize(
+    ("device", "cuda_devices", "message"),
+    [
+        ("cuda", 0, "CUDA is not available"),
+        ("cuda:0", 0, "CUDA is not available"),
+        ("cuda:2", 2, "cuda:2.*2 CUDA devices"),
+        ("gpu", 2, "device must be"),
+        ("cuda:x", 2, "device must be"),
+    ],
+)
+def test_the_device_is_checked_before_any_model_loads(
+    monkeypatch, no_loading, device, cuda_devices, message
+):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: cuda_devices > 0)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: cuda_devices)
+    with pytest.raises(ValueError, match=message):
+        LLM(device=device)
+
+
+def test_auto_device_is_cuda_when_there_is_one(monkeypatch):
+    from smcspec.models.loader import resolve_device
+
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    assert (resolve_device("auto"), resolve_device("cuda:0"), resolve_device("cpu")) == (
+        "cuda",
+        "cuda:0",
+        "cpu",
+    )
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert resolve_device("auto") == "cpu"
+
+
+def _fewest_tokens_holding(llm, tokens: list[int], stop: str) -> int:
+    return next(m for m in range(1, len(tokens) + 1) if stop in llm.decode_text(tokens[:m]))
+
+
+@pytest.mark.parametrize("method", ["ar", "sd", "smc"])
+def test_stop_strings_cut_the_text_and_end_decoding(llm, method):
+    """With the same seed the run is the free run up to the first stop string: the text is cut
+    just before it, the tokens end with the one that completed it, and decoding stopped. (smc
+    resamples every round so that its particles' common prefix, what it can stop on, grows.)"""
+    settings = {"particles": 2, "draft_tokens": 2, "resample_threshold": 1.0, "seed": 4}
+    settings["stop_at_eos"] = False
+    free = llm.generate([1, 2], method, max_new_tokens=24, **settings)
+    assert free.finish_reason == "length" and len(free.token_ids) == 24
+    stop = " " + llm.decode_text(free.token_ids[3:5])  # "a b": ids print as words
+    out = llm.generate([1, 2], method, max_new_tokens=24, stop=[stop, "never"], **settings)
+    assert out.text == free.text[: free.text.index(stop)]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == free.token_ids[: _fewest_tokens_holding(llm, free.token_ids, stop)]
+    assert out.diagnostics["new_tokens"] < 24  # stopped once the stop string was certain
+    assert out.to_dict()["finish_reason"] == "stop"
+
+
+def test_finish_reason_is_stop_at_eos_and_length_at_the_limit(llm):
+    ended = [llm.generate([1], "ar", max_new_tokens=40, seed=s) for s in range(8)]
+    assert {r.finish_reason for r in ended if r.token_ids[-1] == 0} == {"stop"}
+    assert {r.finish_reason for r in ended if len(r.token_ids) == 40} <= {"length"}
+    assert any(r.token_ids[-1] == 0 for r in ended)
+    short = llm.generate([1], "ar", max_new_tokens=1, seed=0, stop_at_eos=False)
+    assert short.finish_reason == "length"
+
+
+@pytest.mark.parametrize("stop", ["", ["a", ""], [3], 7, ["a", None]])
+def test_bad_stop_strings_are_refused_before_decoding(llm, stop):
+    with pytest.raises(ValueError, match="stop must be"):
+        llm.plan([1], "ar", stop=stop)
+
+
+def test_generate_batch_takes_stop_strings(llm):
+    settings = {"max_new_tokens": 16, "seed": 7, "stop_at_eos": False, "stop": " 3"}
+    batch = llm.generate_batch([[1], [2, 3]], "sd", draft_tokens=2, **settings)
+    alone = [
+        llm.generate(p, "sd", draft_tokens=2, **{**settings, "seed": 7 + i})
+        for i, p in enumerate([[1], [2, 3]])
+    ]
+    assert [(r.text, r.token_ids, r.finish_reason) for r in batch] == [
+        (r.text, r.token_ids, r.finish_reason) for r in alone
+    ]
+    assert all(" 3" not in r.text for r in batch)

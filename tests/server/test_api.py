@@ -165,6 +165,8 @@ BAD = [
     ({"prompt": ""}, "prompt"),
     ({"prompt": [5, 99999]}, "prompt"),
     ({"prompt": PROMPT, "stop": ["a", "b", "c", "d", "e"]}, None),
+    ({"prompt": PROMPT, "stop": ["a", ""]}, "stop"),
+    ({"prompt": PROMPT, "stop": ""}, "stop"),
     ({"prompt": PROMPT, "method": "sd", "response_format": {"type": "json_object"}}, None),
     ({"prompt": PROMPT, "presence_penalty": 1.0}, "presence_penalty"),
     ({"prompt": PROMPT, "n": 100}, "n"),
@@ -220,17 +222,26 @@ def test_metrics_count_requests_tokens_and_method_diagnostics(served):
     served.wait_idle()
     text = requests.get(served.url + "/metrics", timeout=30).text
     values = parse_metrics(text)
-    assert values['smcspec_requests_total{endpoint="/v1/completions",status="200"}'] >= 2
-    assert values['smcspec_generated_tokens_total{method="sd"}'] >= 1
-    assert values["smcspec_sd_proposed_tokens_total"] >= values["smcspec_sd_accepted_tokens_total"]
-    assert 0 < values["smcspec_sd_acceptance_rate"] <= 1
-    assert values["smcspec_smc_rounds_total"] >= 1
-    assert "smcspec_smc_resamples_total" in values
-    assert values["smcspec_smc_ess_fraction_count"] == values["smcspec_smc_rounds_total"]
-    assert values['smcspec_kv_pages_in_use{model="target"}'] == 0
-    assert values['smcspec_kv_pages_free{model="target"}'] > 0
-    assert values["smcspec_queue_length"] == 0
-    assert values['smcspec_forward_passes_total{model="target"}'] >= 1
+    tiny = f'model_name="{MODEL}"'
+    m = "{" + tiny + "}"
+    assert (
+        values[f'smcspec:http_requests_total{{endpoint="/v1/completions",{tiny},status="200"}}']
+        >= 2
+    )
+    assert values[f'smcspec:generation_tokens_total{{method="sd",{tiny}}}'] >= 1
+    finished = [v for k, v in values.items() if k.startswith("smcspec:request_success_total")]
+    assert sum(finished) >= 2  # by finished_reason
+    drafted = values[f"smcspec:spec_decode_num_draft_tokens_total{m}"]
+    assert values[f"smcspec:spec_decode_num_drafts_total{m}"] >= 1
+    assert drafted >= values[f"smcspec:spec_decode_num_accepted_tokens_total{m}"] > 0
+    assert values[f"smcspec:smc_rounds_total{m}"] >= 1
+    assert f"smcspec:smc_resamples_total{m}" in values
+    assert values[f"smcspec:smc_ess_fraction_count{m}"] == values[f"smcspec:smc_rounds_total{m}"]
+    assert values[f'smcspec:kv_pages_in_use{{{tiny},role="target"}}'] == 0
+    assert values[f'smcspec:kv_pages_free{{{tiny},role="target"}}'] > 0
+    assert values[f"smcspec:num_requests_waiting{m}"] == 0
+    assert values[f'smcspec:forward_passes_total{{{tiny},role="target"}}'] >= 1
+    assert values[f"smcspec:e2e_request_latency_seconds_count{m}"] >= 2
 
 
 def sse_lines(served, path: str, body: dict) -> list[str]:

@@ -52,6 +52,8 @@ def test_serve_command_answers_the_openai_client(tiny_llama_folder, tiny_llama_d
     [
         ("--port", "70000", "--port"),
         ("--particles", "0", "particles"),
+        ("--particles", "65", "particles"),
+        ("--device", "cuda:99", "cuda:99"),
         ("--temperature", "-1", "temperature"),
         ("--max-running", "0", "max_running"),
         ("--max-batch-tokens", "0", "max_batch_tokens"),
@@ -67,3 +69,27 @@ def test_serve_rejects_bad_settings_before_loading_anything(flag, value, named):
     )
     assert out.returncode == 2
     assert named in out.stderr and "nonexistent" not in out.stderr
+
+
+def test_request_defaults_are_the_engines_resolved_per_request():
+    """A request that names no method gets sd with sd's K; one with a potential gets smc with
+    smc's own N and K; the lookahead kept free in the context is that method's K."""
+    from smcspec import LLM
+    from smcspec.models.toy import perturbed_lm, random_lm
+    from smcspec.server.runtime import ServeDefaults, Server
+    from smcspec.server.schema import CompletionRequest
+
+    target = random_lm(5, seed=1)
+    server = Server(LLM.from_models(target, perturbed_lm(target, 2, 0.5)), ServeDefaults("m"))
+    try:
+        (sd,) = server.plan(CompletionRequest(model="m", prompt=[1, 2]), [[1, 2]], "prompt")
+        assert (sd.plan.method, sd.plan.sd.draft_tokens, sd.plan.max_length()) == ("sd", 4, 134)
+        body = CompletionRequest(model="m", prompt=[1, 2], power_alpha=2.0)
+        (smc,) = server.plan(body, [[1, 2]], "prompt")
+        assert (smc.plan.method, smc.plan.smc.particles, smc.plan.smc.draft_tokens) == (
+            "smc",
+            2,
+            8,
+        )
+    finally:
+        server.shutdown()

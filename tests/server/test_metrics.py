@@ -1,0 +1,82 @@
+"""Prometheus metrics under vLLM's names (prefix smcspec:), each labelled with the model name,
+with histogram buckets that cover the latencies measured on a CPU."""
+
+import math
+import re
+from types import SimpleNamespace
+
+import pytest
+
+from smcspec.bench.serving import parse_metrics
+from smcspec.server.metrics import ServerMetrics
+
+
+def fake_scheduler():
+    pages = SimpleNamespace(used_pages=3, free_pages=5)
+    stats = SimpleNamespace(forwards=[7, 9], rows=[20, 30], seconds=[1.5, 0.5])
+    target, draft = SimpleNamespace(pages=pages), SimpleNamespace(pages=pages)
+    return SimpleNamespace(queued=2, running=1, models=(target, draft), stats=stats)
+
+
+@pytest.fixture
+def metrics():
+    return ServerMetrics(fake_scheduler(), "tiny")
+
+
+def buckets(text: str, name: str) -> dict[float, float]:
+    """Cumulative counts of a histogram by upper bound."""
+    pattern = rf'^{re.escape(name)}_bucket{{le="([^"]+)",model_name="tiny"}} (\S+)$'
+    return {float(le): float(n) for le, n in re.findall(pattern, text, re.MULTILINE)}
+
+
+def test_names_follow_vllm_and_every_sample_has_the_model_name(metrics):
+    metrics.count_request("/v1/completions", 200)
+    metrics.prompt_tokens.inc(5)
+    metrics.record_choice(
+        "sd", 12, "stop", {"rounds": 4, "proposed_tokens": 10, "accepted_tokens": 7}
+    )
+    metrics.record_choice("ar", 8, "length", {})
+    values = parse_metrics(metrics.render().decode())
+    m = '{model_name="tiny"}'
+    assert values[f"smcspec:num_requests_running{m}"] == 1
+    assert values[f"smcspec:num_requests_waiting{m}"] == 2
+    assert values[f"smcspec:prompt_tokens_total{m}"] == 5
+    assert values['smcspec:generation_tokens_total{method="sd",model_name="tiny"}'] == 12
+    assert values['smcspec:request_success_total{finished_reason="stop",model_name="tiny"}'] == 1
+    assert values['smcspec:request_success_total{finished_reason="length",model_name="tiny"}'] == 1
+    assert values[f"smcspec:spec_decode_num_drafts_total{m}"] == 4
+    assert values[f"smcspec:spec_decode_num_draft_tokens_total{m}"] == 10
+    assert values[f"smcspec:spec_decode_num_accepted_tokens_total{m}"] == 7
+    assert values['smcspec:forward_passes_total{model_name="tiny",role="draft"}'] == 9
+    assert values['smcspec:kv_cache_usage_perc{model_name="tiny",role="target"}'] == 3 / 8
+    assert all("smcspec:" in key and 'model_name="tiny"' in key for key in values), [
+        key for key in values if 'model_name="tiny"' not in key
+    ]
+
+
+def test_latency_buckets_cover_minutes(metrics):
+    """Measured on the CPU: first tokens after 15 s, requests of 28 s; a histogram whose last
+    finite bucket is 10 s puts them all in +Inf and its quantiles say nothing."""
+    metrics.first_token.observe(15.0)
+    metrics.latency.observe(28.0)
+    metrics.latency.observe(150.0)
+    text = metrics.render().decode()
+    ttft = buckets(text, "smcspec:time_to_first_token_seconds")
+    e2e = buckets(text, "smcspec:e2e_request_latency_seconds")
+    assert min(le for le, n in ttft.items() if n == 1) <= 20.0
+    assert min(le for le, n in e2e.items() if n >= 1) <= 30.0
+    assert min(le for le, n in e2e.items() if n == 2) < math.inf  # 150 s in a finite bucket
+    assert max(le for le in e2e if le < math.inf) >= 300.0
+    assert min(ttft) <= 0.05 and min(e2e) <= 0.5  # and fine enough for a GPU
+
+
+def test_smc_metrics_are_kept(metrics):
+    metrics.record_choice(
+        "smc", 6, "stop", {"weights": [0.5, 0.5], "ess": [2.0, 1.0], "resamples": 1}
+    )
+    values = parse_metrics(metrics.render().decode())
+    m = '{model_name="tiny"}'
+    assert values[f"smcspec:smc_rounds_total{m}"] == 2
+    assert values[f"smcspec:smc_resamples_total{m}"] == 1
+    assert values[f"smcspec:smc_ess_fraction_count{m}"] == 2
+    assert values[f"smcspec:smc_ess_fraction_sum{m}"] == pytest.approx(1.5)

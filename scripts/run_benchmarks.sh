@@ -38,6 +38,6 @@ $bin/smcspec bench fidelity --dtype int8 --out "$out/fidelity-int8"
 # 7. potentials: HumanEval pass@1 with power sampling, and 8. constrained JSON
 $bin/smcspec bench accuracy --methods ar smc --smc-n 4 --smc-k 4 --smc-power 2,4 --limit 20 \
   --max-new-tokens 384 --temperature 0.7 --out "$out/accuracy-power"
-$bin/smcspec bench json -n 4 -k 4 --reps 2 --max-new-tokens 96 --out "$out/json"
+$bin/smcspec bench json --particles 4 -k 4 --reps 2 --max-new-tokens 96 --out "$out/json"
 # 9. the server under 1, 4 and 16 concurrent clients against the same requests one at a time
 $bin/smcspec bench serve --concurrency 1,4,16 --requests 16 --max-tokens 32 --out "$out/serve"

@@ -15,6 +15,7 @@ Potentials combine by product (`Product`, or `a * b`).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -146,39 +147,21 @@ class Constraint(Potential):
             import llguidance.hf
 
             self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
-        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-            grammar, self.tokenizer
-        )
-        if failed:
-            raise ValueError(f"invalid {what}: {messages[0] if messages else 'rejected'}")
+        _validate(grammar, self.tokenizer, what)
         self.grammar, self.vocab_size = grammar, vocab_size
         self._bits = torch.arange(32, dtype=torch.int32)
 
     @classmethod
     def regex(cls, pattern: str, tokenizer: Any, vocab_size: int) -> Constraint:
-        import llguidance
-
-        return cls(llguidance.LLMatcher.grammar_from_regex(pattern), tokenizer, vocab_size, "regex")
+        return cls(grammar_of("regex", pattern), tokenizer, vocab_size, "regex")
 
     @classmethod
     def json_schema(cls, schema: str | dict, tokenizer: Any, vocab_size: int) -> Constraint:
-        import json
-
-        import llguidance
-
-        try:
-            if isinstance(schema, str):
-                schema = json.loads(schema)
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
-        except (ValueError, TypeError) as err:
-            raise ValueError(f"invalid JSON schema: {err}") from err
-        return cls(grammar, tokenizer, vocab_size, "JSON schema")
+        return cls(grammar_of("json_schema", schema), tokenizer, vocab_size, "JSON schema")
 
     @classmethod
     def lark(cls, text: str, tokenizer: Any, vocab_size: int) -> Constraint:
-        import llguidance
-
-        return cls(llguidance.LLMatcher.grammar_from_lark(text), tokenizer, vocab_size, "grammar")
+        return cls(grammar_of("grammar", text), tokenizer, vocab_size, "grammar")
 
     def start(self) -> Any:
         import llguidance
@@ -205,6 +188,57 @@ class Constraint(Potential):
 
     def log_end(self, state: Any) -> float:
         return 0.0 if not state.is_error() and state.is_accepting() else -math.inf
+
+
+_KINDS = {"regex": "regex", "json_schema": "JSON schema", "grammar": "grammar"}
+
+
+def grammar_of(kind: str, text: str | dict) -> str:
+    """The llguidance grammar of a `regex`, a `json_schema` (JSON text or a dict) or a Lark
+    `grammar`, compiled and checked without a tokenizer, so a malformed one fails before any
+    model loads."""
+    import json
+
+    import llguidance
+
+    if kind not in _KINDS:
+        raise ValueError(f"constraint kind must be one of {', '.join(_KINDS)}, got {kind!r}")
+    what = _KINDS[kind]
+    try:
+        if kind == "regex":
+            grammar = llguidance.LLMatcher.grammar_from_regex(text)
+        elif kind == "grammar":
+            grammar = llguidance.LLMatcher.grammar_from_lark(text)
+        else:
+            schema = json.loads(text) if isinstance(text, str) else text
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"invalid {what}: {_one_line(str(err))}") from err
+    _validate(grammar, None, what)
+    return grammar
+
+
+def _validate(grammar: str, tokenizer: Any, what: str) -> None:
+    import llguidance
+
+    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+    if failed:
+        message = _one_line(messages[0]) if messages else "rejected"
+        if what == "regex":  # the position is in llguidance's wrapper grammar, not the regex
+            message = re.sub(r"^at \d+\(\d+\): ", "", message)
+        raise ValueError(f"invalid {what}: {message}")
+
+
+def _one_line(message: str) -> str:
+    """llguidance's message without its source excerpt: the first line and any "error:" line,
+    so the CLI can print it as one line."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if not lines:
+        return "rejected"
+    causes = [
+        line.removeprefix("error:").strip() for line in lines[1:] if line.startswith("error:")
+    ]
+    return " ".join([lines[0], *causes])
 
 
 class Product(Potential):

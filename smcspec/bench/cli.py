@@ -52,9 +52,9 @@ def run_bench(args: argparse.Namespace) -> int:
         return _serve(args)
     if cmd == "json":
         from smcspec.bench.constrained import run_json
-        from smcspec.config import SMCConfig
+        from smcspec.config import method_configs
 
-        SMCConfig(args.particles, args.draft_tokens)
+        method_configs(args.particles, args.draft_tokens)
         if args.reps < 1 or args.max_new_tokens < 1:
             raise ValueError("--reps and --max-new-tokens must be >= 1")
         llm = _llm(args)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from smcspec.config import SDConfig, SMCConfig
+from smcspec.config import SDConfig, method_configs
 from smcspec.potentials import Power
 
 METHOD_NAMES = ("ar", "sd", "smc", "hf", "hf-assisted")
@@ -75,7 +75,7 @@ def build_grid(
         elif method == "smc":
             for n in smc_n:
                 for k in smc_k:
-                    SMCConfig(n, k, resample_threshold)
+                    method_configs(n, k, resample_threshold)  # bounds N as generate does
                     base = {
                         "particles": n,
                         "draft_tokens": k,

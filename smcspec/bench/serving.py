@@ -237,11 +237,13 @@ def _diagnostics(all_diags: list[dict]) -> dict[str, float | None]:
 def _scrape(url: str) -> dict[str, float]:
     import requests
 
+    target = f'{{model_name="{MODEL_NAME}",role="target"}}'
+    draft = f'{{model_name="{MODEL_NAME}",role="draft"}}'
     wanted = {
-        "forwards": 'smcspec_forward_passes_total{model="target"}',
-        "rows": 'smcspec_forward_rows_total{model="target"}',
-        "target_seconds": 'smcspec_forward_seconds_total{model="target"}',
-        "draft_seconds": 'smcspec_forward_seconds_total{model="draft"}',
+        "forwards": "smcspec:forward_passes_total" + target,
+        "rows": "smcspec:forward_rows_total" + target,
+        "target_seconds": "smcspec:forward_seconds_total" + target,
+        "draft_seconds": "smcspec:forward_seconds_total" + draft,
     }
     values = parse_metrics(requests.get(url + "/metrics", timeout=30).text)
     return {key: values.get(name, 0.0) for key, name in wanted.items()}

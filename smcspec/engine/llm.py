@@ -15,24 +15,38 @@ from typing import Any
 
 import torch
 
-from smcspec.config import SamplingConfig, SDConfig, SMCConfig, check_method
+from smcspec.config import (
+    SamplingConfig,
+    SDConfig,
+    SMCConfig,
+    lookahead,
+    method_configs,
+    resolve_method,
+)
 from smcspec.decoding import AutoregressiveDecoder, DecodeResult, SMCDecoder, SpeculativeDecoder
 from smcspec.decoding.base import Watch
 from smcspec.engine.scheduler import Job, Scheduler
+from smcspec.engine.text import TextStream, check_stops
 from smcspec.models.base import CausalLM
 from smcspec.potentials import Constraint, Potential, Power, Product, Reward
 
 
 @dataclass
 class GenerationResult:
+    """The text (cut before the first stop string) and its tokens (up to the one that completed
+    the stop string). `finish_reason` is "stop" (EOS or a stop string) or "length" (the
+    max_new_tokens limit). diagnostics["new_tokens"] counts every token decoded."""
+
     text: str
     token_ids: list[int]
     method: str
+    finish_reason: str
     diagnostics: dict[str, Any] = field(default_factory=dict)
     particle_texts: list[str] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {"text": self.text, "token_ids": self.token_ids, "method": self.method}
+        out["finish_reason"] = self.finish_reason
         out.update(self.diagnostics)
         if self.particle_texts is not None:
             out["particle_texts"] = self.particle_texts
@@ -50,6 +64,7 @@ class Request:
     sd: SDConfig
     potential: Potential | None
     seed: int
+    stops: tuple[str, ...] = ()
 
     def kv_rows(self) -> tuple[int, int]:
         """Sequences this request keeps in the target's and the draft's KV cache."""
@@ -59,8 +74,8 @@ class Request:
 
     def max_length(self) -> int:
         """The longest a sequence can get: prompt, new tokens, and a round of drafts past them."""
-        lookahead = self.smc.draft_tokens if self.method != "ar" else 0
-        return len(self.prompt_ids) + self.sampling.max_new_tokens + lookahead
+        drafts = lookahead(self.method, self.sd, self.smc)
+        return len(self.prompt_ids) + self.sampling.max_new_tokens + drafts
 
 
 class LLM:
@@ -82,6 +97,7 @@ class LLM:
     ) -> None:
         from smcspec.models import defaults, hf, loader
 
+        device = loader.resolve_device(device)  # before a minute of loading, not after
         loader.check_backend(backend)
         dtype = loader.resolve_dtype(dtype, device)
         for role, spec in (("target", target), ("draft", draft)):
@@ -162,7 +178,7 @@ class LLM:
     def generate(
         self,
         prompt: str | list[int],
-        method: str = "smc",
+        method: str | None = None,
         *,
         watch: Watch | None = None,
         **settings: Any,
@@ -179,7 +195,7 @@ class LLM:
     def generate_batch(
         self,
         prompts: Sequence[str | list[int]],
-        method: str = "smc",
+        method: str | None = None,
         *,
         max_running: int = 64,
         max_batch_tokens: int = 256,
@@ -204,10 +220,10 @@ class LLM:
     def plan(
         self,
         prompt: str | list[int],
-        method: str = "smc",
+        method: str | None = None,
         *,
-        particles: int = 8,
-        draft_tokens: int = 4,
+        particles: int | None = None,
+        draft_tokens: int | None = None,
         resample_threshold: float = 0.5,
         resampling: str = "systematic",
         temperature: float = 0.7,
@@ -216,6 +232,7 @@ class LLM:
         top_p: float = 1.0,
         max_new_tokens: int = 128,
         stop_at_eos: bool = True,
+        stop: str | Sequence[str] | None = None,
         seed: int | None = None,
         chat: bool = True,
         power_alpha: float | None = None,
@@ -226,13 +243,20 @@ class LLM:
         reward_beta: float = 1.0,
         reward_every: int | None = None,
         potential: Potential | None = None,
+        allow_large: bool = False,
     ) -> Request:
         """Check every setting and encode the prompt, loading nothing and running nothing: a
-        `Request` that `run` executes. Bad settings raise ValueError naming the field."""
-        check_method(method)
+        `Request` that `run` executes. Bad settings raise ValueError naming the field.
+        `stop`: a string or a list of strings (any number, none empty); the text ends just
+        before the first one and decoding stops once it is certain.
+        `method` None: sd, or smc when a potential is given. `particles` / `draft_tokens` None:
+        each method's own default (`smcspec.config`: sd K=4; smc N=2, K=8). More than 64
+        particles need `allow_large=True`."""
+        stops = check_stops(stop)
         potential = self.build_potential(
             power_alpha, regex, json_schema, grammar, reward, reward_beta, reward_every, potential
         )
+        method = resolve_method(method, potential is not None)
         if potential is not None and method == "sd":
             raise ValueError(
                 "sd targets p exactly by rejection and cannot take potentials; use smc (or ar)"
@@ -240,20 +264,23 @@ class LLM:
         sampling_cfg = SamplingConfig(
             temperature, top_k, top_p, max_new_tokens, stop_at_eos, seed, draft_temperature
         )
-        smc = SMCConfig(particles, draft_tokens, resample_threshold, resampling)
-        sd = SDConfig(draft_tokens)
+        sd, smc = method_configs(
+            particles, draft_tokens, resample_threshold, resampling, allow_large
+        )
         ids = self.encode(prompt, chat)
         seed = secrets.randbits(63) if seed is None else seed
-        return Request(ids, method, sampling_cfg, smc, sd, potential, seed)
+        return Request(ids, method, sampling_cfg, smc, sd, potential, seed, stops)
 
     def run(
         self,
         request: Request,
         models: tuple[CausalLM, CausalLM] | None = None,
         watch: Watch | None = None,
+        on_text: Callable[[str], None] | None = None,
     ) -> GenerationResult:
         """Decode `request`. `models` replaces (target, draft), e.g. by views that batch their
-        forward passes with other requests' (see `engine.scheduler`)."""
+        forward passes with other requests' (see `engine.scheduler`). `on_text` gets the text
+        as it can no longer change, in pieces that add up to the result's text."""
         target, draft = models if models is not None else (self.target, self.draft)
         if request.method == "smc":
             decoder = SMCDecoder(target, draft, request.smc, request.potential)
@@ -261,14 +288,33 @@ class LLM:
             decoder = SpeculativeDecoder(target, draft, request.sd)
         else:
             decoder = AutoregressiveDecoder(target, request.potential)
-        generator = torch.Generator().manual_seed(request.seed)
-        result = decoder.decode(request.prompt_ids, request.sampling, generator, watch)
-        return self._package(result, request.method, request.seed, len(request.prompt_ids))
+        text = TextStream(self.decode_text, request.stops)
 
-    def job(self, request: Request, watch: Watch | None = None) -> Job:
+        def watch_text(tokens: list[int]) -> bool:
+            delta = text.update(tokens)
+            if delta and on_text is not None:
+                on_text(delta)
+            wanted = watch is not None and watch(tokens)
+            return text.stopped or wanted
+
+        generator = torch.Generator().manual_seed(request.seed)
+        result = decoder.decode(request.prompt_ids, request.sampling, generator, watch_text)
+        rest = text.finish(result.tokens)
+        if rest and on_text is not None:
+            on_text(rest)
+        return self._package(result, request, text)
+
+    def job(
+        self,
+        request: Request,
+        watch: Watch | None = None,
+        on_text: Callable[[str], None] | None = None,
+    ) -> Job:
         """`request` as a scheduler job: `run` against the scheduler's batching model views."""
         return Job(
-            lambda views: self.run(request, views, watch), request.kv_rows(), request.max_length()
+            lambda views: self.run(request, views, watch, on_text),
+            request.kv_rows(),
+            request.max_length(),
         )
 
     def build_potential(
@@ -319,24 +365,32 @@ class LLM:
         return self._ll_tokenizer
 
     def _package(
-        self, result: DecodeResult, method: str, seed: int, prompt_len: int
+        self, result: DecodeResult, request: Request, text: TextStream
     ) -> GenerationResult:
         diagnostics: dict[str, Any] = {
             "tokens_per_second": result.tokens_per_second,
             "new_tokens": len(result.tokens),
-            "prompt_tokens": prompt_len,
+            "prompt_tokens": len(request.prompt_ids),
             "seconds": result.seconds,
             "time_split": result.stage_seconds,
             "rounds": result.rounds,
-            "seed": seed,
+            "seed": request.seed,
         }
         diagnostics.update(result.stats)
         texts = None
         if result.particles is not None:
             texts = [self.decode_text(p) for p in result.particles]
-        return GenerationResult(
-            self.decode_text(result.tokens), result.tokens, method, diagnostics, texts
-        )
+        reason = self._finish_reason(result.tokens, request.sampling, text.stopped)
+        tokens = result.tokens[: text.tokens_used]
+        return GenerationResult(text.sent, tokens, request.method, reason, diagnostics, texts)
+
+    def _finish_reason(self, tokens: list[int], sampling: SamplingConfig, stopped: bool) -> str:
+        """OpenAI's finish reason: "stop" at EOS, a stop string or a watch's stop; "length" at
+        the max_new_tokens limit."""
+        ended = sampling.stop_at_eos and bool(tokens) and tokens[-1] in self.target.eos_token_ids
+        if stopped or ended or len(tokens) < sampling.max_new_tokens:
+            return "stop"
+        return "length"
 
 
 def _name(spec: str, role: str) -> str:

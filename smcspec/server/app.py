@@ -149,14 +149,13 @@ async def _respond(
     results = await _gather(choices, request)
     out, completion_tokens = [], 0
     for c, result in zip(choices, results, strict=True):
-        f = server.finish(c, result, body.return_particles)
+        f = server.finish(result, body.return_particles)
         completion_tokens += f["tokens"]
-        text = c.text.sent
         item: dict[str, Any] = {"index": c.index, "finish_reason": f["reason"], "logprobs": None}
         if chat:
-            item["message"] = {"role": "assistant", "content": text}
+            item["message"] = {"role": "assistant", "content": result.text}
         else:
-            item["text"] = text
+            item["text"] = result.text
         item["smcspec"] = f["smcspec"]
         out.append(item)
     server.metrics.latency.observe(time.perf_counter() - started)
@@ -205,17 +204,12 @@ async def _stream(
                 yield _sse({**head, "object": obj, "choices": [{**item, "finish_reason": None}]})
         open_choices = {c.index for c in choices}
         completion_tokens, first = 0, True
-
-        def text_sent(text: str | None) -> None:
-            nonlocal first
-            if text and first:
-                server.metrics.first_token.observe(time.perf_counter() - started)
-                first = False
-
         while open_choices:
             index, delta = await queue.get()
             if delta is not None:
-                text_sent(delta)
+                if first:
+                    server.metrics.first_token.observe(time.perf_counter() - started)
+                    first = False
                 yield chunk(index, delta)
                 continue
             open_choices.discard(index)
@@ -228,10 +222,9 @@ async def _stream(
             except Exception as err:
                 yield _sse(_error_body(f"generation failed: {err}", kind="server_error"))
                 continue
-            f = server.finish(c, result, body.return_particles)
+            f = server.finish(result, body.return_particles)
             completion_tokens += f["tokens"]
-            text_sent(f["rest"])
-            yield chunk(index, f["rest"] or None, f["reason"], smcspec=f["smcspec"])
+            yield chunk(index, None, f["reason"], smcspec=f["smcspec"])
         if body.stream_options is not None and body.stream_options.include_usage:
             usage = _usage(prompt_tokens, completion_tokens)
             yield _sse({**head, "object": obj, "choices": [], "usage": usage})

@@ -1,5 +1,7 @@
-"""Prometheus metrics of one server: requests, tokens, throughput, queue, KV pages, and each
-method's own diagnostics (SD acceptance; SMC ESS and resamples)."""
+"""Prometheus metrics of one server, named as vLLM names them (prefix `smcspec:` for `vllm:`)
+so existing dashboards carry over, each labelled with the served `model_name`: requests,
+tokens, latency, queue, KV pages, speculative decoding (sd) counters, and SMC's own (rounds,
+resamples, ESS). `role` tells the target model from the draft."""
 
 from __future__ import annotations
 
@@ -13,54 +15,89 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 THROUGHPUT_WINDOW_S = 30.0
-MODEL_NAMES = ("target", "draft")
+ROLES = ("target", "draft")
+# From GPU milliseconds to CPU minutes: a CPU run measured first tokens at 15 s and requests
+# at 28 s, past the 10 s where the default buckets end.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 7.5, 10, 15, 20, 30, 45, 60)
+TTFT_BUCKETS += (90, 120, 240, 480)
+LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 15, 20, 30, 45, 60, 90, 120, 180, 240)
+LATENCY_BUCKETS += (300, 480, 960, 1920)
+ESS_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 
 class ServerMetrics:
     """All metrics live in this object's own registry (no process-wide state). Events are
     counted as they happen; the scheduler's state (queue, pages, batches) is read at scrape."""
 
-    def __init__(self, scheduler: Any) -> None:
+    def __init__(self, scheduler: Any, model_name: str) -> None:
         self.scheduler = scheduler
+        self.model_name = model_name
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
-            "smcspec_requests",
+            "smcspec:http_requests",
             "HTTP requests by endpoint and status",
-            ["endpoint", "status"],
+            ["model_name", "endpoint", "status"],
+            registry=r,
+        )
+        self.finished = Counter(
+            "smcspec:request_success",
+            "choices finished, by reason (stop: EOS or a stop string; length: max_tokens)",
+            ["model_name", "finished_reason"],
             registry=r,
         )
         self.tokens = Counter(
-            "smcspec_generated_tokens", "tokens returned to clients", ["method"], registry=r
-        )
-        self.prompt_tokens = Counter("smcspec_prompt_tokens", "prompt tokens", registry=r)
-        self.smc_rounds = Counter("smcspec_smc_rounds", "smc rounds", registry=r)
-        self.smc_resamples = Counter("smcspec_smc_resamples", "smc resampling steps", registry=r)
-        self.smc_ess = Histogram(
-            "smcspec_smc_ess_fraction",
-            "ESS / N after each smc round",
-            buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
+            "smcspec:generation_tokens",
+            "tokens returned to clients",
+            ["model_name", "method"],
             registry=r,
         )
-        self.first_token = Histogram(
-            "smcspec_time_to_first_token_seconds", "streamed requests", registry=r
+        self.prompt_tokens = self._counter("smcspec:prompt_tokens", "prompt tokens")
+        self.sd_drafts = self._counter("smcspec:spec_decode_num_drafts", "sd rounds")
+        self.sd_draft_tokens = self._counter(
+            "smcspec:spec_decode_num_draft_tokens", "sd draft tokens checked"
         )
-        self.latency = Histogram("smcspec_request_seconds", "request wall time", registry=r)
+        self.sd_accepted = self._counter(
+            "smcspec:spec_decode_num_accepted_tokens", "sd draft tokens accepted"
+        )
+        self.smc_rounds = self._counter("smcspec:smc_rounds", "smc rounds")
+        self.smc_resamples = self._counter("smcspec:smc_resamples", "smc resampling steps")
+        self.smc_ess = self._histogram(
+            "smcspec:smc_ess_fraction", "ESS / N after each smc round", ESS_BUCKETS
+        )
+        self.first_token = self._histogram(
+            "smcspec:time_to_first_token_seconds", "time to the first streamed text", TTFT_BUCKETS
+        )
+        self.latency = self._histogram(
+            "smcspec:e2e_request_latency_seconds", "request wall time", LATENCY_BUCKETS
+        )
         self._lock = threading.Lock()
         self._recent: deque[tuple[float, int]] = deque()
-        self._sd = [0, 0]  # drafts proposed, accepted
         r.register(_Live(self))
 
-    def count_request(self, endpoint: str, status: int) -> None:
-        self.requests.labels(endpoint, str(status)).inc()
+    def _counter(self, metric: str, doc: str) -> Any:
+        """A counter's only series, this server's model's."""
+        family = Counter(metric, doc, ["model_name"], registry=self.registry)
+        return family.labels(self.model_name)
 
-    def record_choice(self, method: str, new_tokens: int, diagnostics: dict[str, Any]) -> None:
-        """One finished choice: its tokens and its method's diagnostics."""
-        self.tokens.labels(method).inc(new_tokens)
+    def _histogram(self, metric: str, doc: str, buckets: tuple[float, ...]) -> Any:
+        family = Histogram(metric, doc, ["model_name"], buckets=buckets, registry=self.registry)
+        return family.labels(self.model_name)
+
+    def count_request(self, endpoint: str, status: int) -> None:
+        self.requests.labels(self.model_name, endpoint, str(status)).inc()
+
+    def record_choice(
+        self, method: str, new_tokens: int, finish_reason: str, diagnostics: dict[str, Any]
+    ) -> None:
+        """One finished choice: its tokens, why it ended, and its method's diagnostics."""
+        self.tokens.labels(self.model_name, method).inc(new_tokens)
+        self.finished.labels(self.model_name, finish_reason).inc()
         with self._lock:
             self._recent.append((time.monotonic(), new_tokens))
-            if method == "sd":
-                self._sd[0] += diagnostics.get("proposed_tokens", 0)
-                self._sd[1] += diagnostics.get("accepted_tokens", 0)
+        if method == "sd":
+            self.sd_drafts.inc(diagnostics.get("rounds", 0))
+            self.sd_draft_tokens.inc(diagnostics.get("proposed_tokens", 0))
+            self.sd_accepted.inc(diagnostics.get("accepted_tokens", 0))
         if method == "smc":
             n = len(diagnostics.get("weights", [])) or 1
             ess = diagnostics.get("ess", [])
@@ -76,10 +113,6 @@ class ServerMetrics:
                 self._recent.popleft()
             return sum(n for _, n in self._recent) / THROUGHPUT_WINDOW_S
 
-    def sd_totals(self) -> tuple[int, int]:
-        with self._lock:
-            return self._sd[0], self._sd[1]
-
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -92,42 +125,46 @@ class _Live:
 
     def collect(self) -> Iterator[Metric]:
         m, s = self.metrics, self.metrics.scheduler
-        yield _gauge("smcspec_queue_length", "requests waiting for KV pages", s.queued)
-        yield _gauge("smcspec_running_requests", "requests being decoded", s.running)
+        name = [m.model_name]
         yield _gauge(
-            "smcspec_tokens_per_second",
+            "smcspec:num_requests_waiting", "requests waiting for KV pages", name, s.queued
+        )
+        yield _gauge("smcspec:num_requests_running", "requests being decoded", name, s.running)
+        yield _gauge(
+            "smcspec:avg_generation_throughput_toks_per_s",
             f"generated tokens per second over the last {THROUGHPUT_WINDOW_S:.0f} s",
+            name,
             m.recent_tokens_per_second(),
         )
-        used = GaugeMetricFamily("smcspec_kv_pages_in_use", "KV pages in use", labels=["model"])
-        free = GaugeMetricFamily("smcspec_kv_pages_free", "KV pages free", labels=["model"])
+        labels = ["model_name", "role"]
+        used = GaugeMetricFamily("smcspec:kv_pages_in_use", "KV pages in use", labels=labels)
+        free = GaugeMetricFamily("smcspec:kv_pages_free", "KV pages free", labels=labels)
+        usage = GaugeMetricFamily(
+            "smcspec:kv_cache_usage_perc", "fraction of KV pages in use (1 = full)", labels=labels
+        )
         passes = CounterMetricFamily(
-            "smcspec_forward_passes", "batched forward passes", labels=["model"]
+            "smcspec:forward_passes", "batched forward passes", labels=labels
         )
         rows = CounterMetricFamily(
-            "smcspec_forward_rows", "sequences carried by the batched passes", labels=["model"]
+            "smcspec:forward_rows", "sequences carried by the batched passes", labels=labels
         )
         seconds = CounterMetricFamily(
-            "smcspec_forward_seconds", "time in batched forward passes", labels=["model"]
+            "smcspec:forward_seconds", "time in batched forward passes", labels=labels
         )
-        for i, name in enumerate(MODEL_NAMES[: len(s.models)]):
+        for i, role in enumerate(ROLES[: len(s.models)]):
             pool = getattr(s.models[i], "pages", None)
             if pool is not None:
-                used.add_metric([name], pool.used_pages)
-                free.add_metric([name], pool.free_pages)
-            passes.add_metric([name], s.stats.forwards[i])
-            rows.add_metric([name], s.stats.rows[i])
-            seconds.add_metric([name], s.stats.seconds[i])
-        yield from (used, free, passes, rows, seconds)
-        proposed, accepted = m.sd_totals()
-        yield CounterMetricFamily("smcspec_sd_proposed_tokens", "sd drafts checked", proposed)
-        yield CounterMetricFamily("smcspec_sd_accepted_tokens", "sd drafts accepted", accepted)
-        yield _gauge(
-            "smcspec_sd_acceptance_rate",
-            "accepted / proposed drafts since start (sd)",
-            accepted / proposed if proposed else 0.0,
-        )
+                total = pool.used_pages + pool.free_pages
+                used.add_metric([*name, role], pool.used_pages)
+                free.add_metric([*name, role], pool.free_pages)
+                usage.add_metric([*name, role], pool.used_pages / total if total else 0.0)
+            passes.add_metric([*name, role], s.stats.forwards[i])
+            rows.add_metric([*name, role], s.stats.rows[i])
+            seconds.add_metric([*name, role], s.stats.seconds[i])
+        yield from (used, free, usage, passes, rows, seconds)
 
 
-def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-    return GaugeMetricFamily(name, doc, value=value)
+def _gauge(metric: str, doc: str, labels: list[str], value: float) -> GaugeMetricFamily:
+    gauge = GaugeMetricFamily(metric, doc, labels=["model_name"])
+    gauge.add_metric(labels, value)
+    return gauge

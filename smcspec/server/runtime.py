@@ -1,8 +1,9 @@
 """From HTTP requests to scheduler jobs: the server's runtime (no HTTP in here).
 
 `Server.plan` checks a request body and turns each (prompt, sample) into a `Choice`: a checked
-`engine.Request`, its text stream and, once submitted, its scheduler job. `finish` turns a job's
-result into the text, finish reason and diagnostics a response carries.
+`engine.Request` (stop strings included) and, once submitted, its scheduler job, which streams
+its text as it can no longer change. `finish` turns a job's result into the finish reason, token
+count and diagnostics a response carries.
 """
 
 from __future__ import annotations
@@ -14,12 +15,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from smcspec.config import SamplingConfig, SMCConfig, check_method
+from smcspec.config import (
+    SamplingConfig,
+    check_method,
+    lookahead,
+    method_configs,
+    resolve_method,
+)
 from smcspec.engine import LLM, GenerationResult, Request
 from smcspec.engine.scheduler import Job, Scheduler
+from smcspec.engine.text import check_stops
 from smcspec.server.metrics import ServerMetrics
 from smcspec.server.schema import ChatRequest, CompletionRequest, GenerationFields
-from smcspec.server.text import TextStream
 
 
 class ApiError(Exception):
@@ -32,12 +39,13 @@ class ApiError(Exception):
 
 @dataclass(frozen=True)
 class ServeDefaults:
-    """Server-wide settings; each request may override the decoding ones."""
+    """Server-wide settings; each request may override the decoding ones. None: the engine's
+    defaults (`smcspec.config`: sd, or smc for a request with a potential; each method's K)."""
 
     model_name: str
-    method: str = "smc"
-    particles: int = 8
-    draft_tokens: int = 4
+    method: str | None = None
+    particles: int | None = None
+    draft_tokens: int | None = None
     resample_threshold: float = 0.5
     resampling: str = "systematic"
     temperature: float = 1.0
@@ -46,8 +54,9 @@ class ServeDefaults:
     max_batch_tokens: int = 256
 
     def __post_init__(self) -> None:
-        check_method(self.method)
-        SMCConfig(self.particles, self.draft_tokens, self.resample_threshold, self.resampling)
+        if self.method is not None:
+            check_method(self.method)
+        method_configs(self.particles, self.draft_tokens, self.resample_threshold, self.resampling)
         SamplingConfig(temperature=self.temperature, max_new_tokens=self.max_tokens)
         for name in ("max_running", "max_batch_tokens"):
             value = getattr(self, name)
@@ -57,11 +66,10 @@ class ServeDefaults:
 
 @dataclass
 class Choice:
-    """One sample being generated: its checked request, its text stream and its job."""
+    """One sample being generated: its checked request and its job."""
 
     index: int
     plan: Request
-    text: TextStream
     job: Job | None = None
 
 
@@ -74,7 +82,7 @@ class Server:
         self.scheduler = Scheduler(
             (llm.target, llm.draft), defaults.max_running, defaults.max_batch_tokens
         )
-        self.metrics = ServerMetrics(self.scheduler)
+        self.metrics = ServerMetrics(self.scheduler, defaults.model_name)
         self.context_length = getattr(llm.target, "context_length", None)
         self.created = int(time.time())
 
@@ -111,22 +119,28 @@ class Server:
     def plan(self, body: GenerationFields, prompts: list[list[int]], param: str) -> list[Choice]:
         """One checked `Request` per (prompt, sample), with its own seed."""
         d = self.defaults
-        method = body.method or d.method
+        particles = body.particles or d.particles
         k = body.draft_tokens or d.draft_tokens
+        try:
+            stops = check_stops(body.stops)
+        except ValueError as err:
+            raise ApiError(str(err), "stop") from err
         try:  # built once: every choice shares it (each particle gets its own state)
             potential = self.llm.build_potential(body.power_alpha, json_schema=_schema(body))
         except ValueError as err:
             raise ApiError(str(err)) from err
+        method = resolve_method(body.method or d.method, potential is not None)
+        drafts = lookahead(method, *method_configs(particles, k))
         choices = []
         for p, ids in enumerate(prompts):
-            limit = self._token_limit(body, len(ids), 0 if method == "ar" else k, param)
+            limit = self._token_limit(body, len(ids), drafts, param)
             for j in range(body.n):
                 seed = None if body.seed is None else body.seed + p * body.n + j
                 try:
                     plan = self.llm.plan(
                         ids,
                         method,
-                        particles=body.particles or d.particles,
+                        particles=particles,
                         draft_tokens=k,
                         resample_threshold=_given(body.resample_threshold, d.resample_threshold),
                         resampling=body.resampling or d.resampling,
@@ -136,14 +150,14 @@ class Server:
                         top_p=_given(body.top_p, 1.0),
                         max_new_tokens=limit,
                         stop_at_eos=not body.ignore_eos,
+                        stop=stops,
                         seed=seed,
                         chat=False,
                         potential=potential,
                     )
                 except ValueError as err:
                     raise ApiError(str(err)) from err
-                stream = TextStream(self.llm.decode_text, body.stops)
-                choices.append(Choice(len(choices), plan, stream))
+                choices.append(Choice(len(choices), plan))
         return choices
 
     def _token_limit(self, body: GenerationFields, prompt_len: int, lookahead: int, param: str):
@@ -170,32 +184,19 @@ class Server:
     # -- running ----------------------------------------------------------------------------
 
     def submit(self, choice: Choice, on_text: Callable[[int, str], None] | None = None) -> Job:
-        text = choice.text
-
-        def watch(tokens: list[int]) -> bool:
-            delta = text.update(tokens)
-            if delta and on_text is not None:
-                on_text(choice.index, delta)
-            return text.stopped
-
+        """Queue the choice's job; `on_text(index, delta)` gets its text as it is fixed, all of
+        it before the job's future resolves."""
+        emit = None if on_text is None else (lambda delta: on_text(choice.index, delta))
         try:
-            choice.job = self.scheduler.submit(self.llm.job(choice.plan, watch))
+            choice.job = self.scheduler.submit(self.llm.job(choice.plan, on_text=emit))
         except ValueError as err:
             raise ApiError(str(err)) from err
         return choice.job
 
-    def finish(self, choice: Choice, result: GenerationResult, particles: bool) -> dict:
-        """The rest of the text, the finish reason and the diagnostics of a finished choice."""
-        rest = choice.text.finish(result.token_ids)
-        tokens = result.token_ids
-        ended = bool(tokens) and tokens[-1] in self.llm.target.eos_token_ids
-        cut = choice.plan.sampling.stop_at_eos and ended
-        if choice.text.stopped or cut or len(tokens) < choice.plan.sampling.max_new_tokens:
-            reason = "stop"
-        else:
-            reason = "length"
-        used = choice.text.tokens_used
-        self.metrics.record_choice(result.method, used, result.diagnostics)
+    def finish(self, result: GenerationResult, particles: bool) -> dict:
+        """The finish reason, the token count and the diagnostics of a finished choice."""
+        used = len(result.token_ids)
+        self.metrics.record_choice(result.method, used, result.finish_reason, result.diagnostics)
         extra: dict[str, Any] = {"method": result.method, "diagnostics": result.diagnostics}
         if particles and result.particle_texts is not None:
             weights = result.diagnostics.get("weights", [])
@@ -203,7 +204,7 @@ class Server:
                 {"text": t, "weight": w}
                 for t, w in zip(result.particle_texts, weights, strict=True)
             ]
-        return {"rest": rest, "reason": reason, "tokens": used, "smcspec": finite(extra)}
+        return {"reason": result.finish_reason, "tokens": used, "smcspec": finite(extra)}
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from smcspec.config import RESAMPLING_SCHEMES
+from smcspec.config import MAX_PARTICLES, RESAMPLING_SCHEMES
 
 MAX_STOPS = 4
 MAX_CHOICES = 16
@@ -65,7 +65,7 @@ class GenerationFields(BaseModel):
     response_format: ResponseFormat | None = None
     # smcspec's own settings, named as on the CLI.
     method: Literal["ar", "sd", "smc"] | None = None
-    particles: int | None = Field(None, ge=1, le=64)
+    particles: int | None = Field(None, ge=1, le=MAX_PARTICLES)
     draft_tokens: int | None = Field(None, ge=1, le=32)
     resample_threshold: float | None = Field(None, ge=0, le=1)
     resampling: Resampling | None = None

@@ -38,9 +38,16 @@ def test_each_method_generates_on_the_default_pair(llm, method):
         assert len(out.particle_texts) == 4
 
 
-def test_greedy_answer_is_on_topic(llm):
-    out = llm.generate(PROMPT, "ar", temperature=0.0, max_new_tokens=24, seed=0)
-    assert "prime" in out.text.lower() or "def " in out.text
+def test_greedy_answer_is_on_topic_and_greedy_sd_equals_greedy_ar(llm):
+    """Greedy sd accepts a draft token only where it is the target's argmax and otherwise takes
+    the argmax: token for token the same output as greedy ar, though it reads the target's
+    logits from K + 1-token verification passes instead of one-token steps."""
+    settings = {"temperature": 0.0, "max_new_tokens": 32, "seed": 0, "stop_at_eos": False}
+    ar = llm.generate(PROMPT, "ar", **settings)
+    assert "prime" in ar.text.lower() or "def " in ar.text
+    sd = llm.generate(PROMPT, "sd", draft_tokens=4, **settings)
+    assert sd.token_ids == ar.token_ids
+    assert sd.diagnostics["accepted_tokens"] > 0  # the draft's tokens were used, not just p's
 
 
 def test_cli_json_on_the_default_pair():

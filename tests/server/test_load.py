@@ -94,7 +94,9 @@ def test_requests_queue_for_kv_pages_and_all_complete(tiny_llm):
         return NativeCausalLM(m.model, set(m.eos_token_ids), num_pages=40, page_size=4)
 
     llm = LLM.from_models(small(tiny_llm.target), small(tiny_llm.draft), tiny_llm.tokenizer)
-    handle, server, thread = serve(llm, ServeDefaults(MODEL, particles=4, draft_tokens=3))
+    handle, server, thread = serve(
+        llm, ServeDefaults(MODEL, method="smc", particles=4, draft_tokens=3)
+    )
     try:
         body = {"model": MODEL, "prompt": "w1 w2 w3", "max_tokens": 20, "ignore_eos": True}
         outcomes: dict[int, str] = {}

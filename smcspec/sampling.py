@@ -3,6 +3,10 @@
 The law every method targets is  softmax(logits / T)  restricted to the top-k tokens, then to the
 smallest nucleus of mass >= top_p, renormalized (the order Hugging Face uses). T = 0 is greedy:
 all mass on the arg-max token.
+
+Extremes never make a NaN law nor an id outside the vocabulary: a NaN logit is a token of
+probability 0, +inf the largest finite logit, and a row whose scaled logits overflow takes the
+greedy law (see `log_probs`).
 """
 
 from __future__ import annotations
@@ -17,17 +21,30 @@ def log_probs(
 ) -> torch.Tensor:
     """Normalized log-probabilities of the truncated, tempered law.  [..., V] -> [..., V].
 
-    Computed in fp32 (fp64 if given fp64)."""
-    if logits.dtype != torch.float64:
-        logits = logits.float()
+    Computed in fp32 (fp64 if given fp64). A row whose logits / T overflow (T below
+    |logit| / 3.4e38 in fp32, or T rounding to 0) gets the greedy law: there any two distinct
+    logits are at least one ulp (|logit| * 6e-8) apart, more than 1e31 once scaled, so every
+    token but the arg-max has tempered mass exp(-1e31) = 0 in any float; the greedy law IS the
+    tempered law, up to ties among maxima (then the first one, as T = 0 does)."""
+    logits = _finite(logits if logits.dtype == torch.float64 else logits.float())
     if temperature == 0:
         return _greedy(logits)
-    scaled = logits / temperature
+    scaled = logits / temperature  # [..., V]
+    overflow = (scaled.isinf() & logits.isfinite()).any(dim=-1, keepdim=True)  # [..., 1]
+    if overflow.any():
+        scaled = torch.where(overflow, _greedy(logits), scaled)
     if 0 < top_k < scaled.shape[-1]:
         scaled = _keep_top_k(scaled, top_k)
     if top_p < 1.0:
         scaled = _keep_top_p(scaled, top_p)
     return torch.log_softmax(scaled, dim=-1)
+
+
+def _finite(logits: torch.Tensor) -> torch.Tensor:
+    # NaN (a broken model row) is probability 0 and +inf the largest finite logit, so that
+    # log_softmax never sees inf - inf; -inf stays a masked token.
+    top = torch.finfo(logits.dtype).max
+    return logits.nan_to_num(nan=NEG_INF, posinf=top, neginf=NEG_INF)
 
 
 def _greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -57,16 +74,22 @@ def _keep_top_p(scaled: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def sample(logp: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """Draw one token per row by inverting the CDF with one uniform per row (cheaper than
-    Gumbel-max over a 150k vocabulary). [..., V] -> [...] int64.
+    Gumbel-max over a 150k vocabulary). [..., V] -> [...] int64, always in [0, V).
 
     A token of probability zero has the same CDF value as its predecessor, so `u < cdf[i]`
-    first holds at a token of positive probability."""
+    first holds at a token of positive probability. A row without mass (all -inf, or NaN: a
+    caller's dead particle) has nothing to draw; it gets its arg-max id (0 if all -inf), never V,
+    which would fail the next forward pass of every request batched with it."""
     cdf = logp.double().exp().cumsum(dim=-1)  # [..., V]
     u = torch.rand(logp.shape[:-1], generator=generator, device=logp.device, dtype=torch.float64)
     total = cdf[..., -1]
     # scaled to the row's total (~1), kept strictly below it despite rounding
     u = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, u.unsqueeze(-1), right=True).squeeze(-1)
+    token = torch.searchsorted(cdf, u.unsqueeze(-1), right=True).squeeze(-1)
+    empty = ~(total > 0) | total.isinf()  # [...], True where NaN, 0 or inf
+    if empty.any():
+        token = torch.where(empty, logp.nan_to_num(nan=NEG_INF).argmax(dim=-1), token)
+    return token
 
 
 def pick(logp: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -73,3 +73,55 @@ def test_power_check_rejects_a_wrong_law():
     draws = sampling.sample(sampling.log_probs(LOGITS, 1.3).expand(20000, -1), g)
     law = {i: float(v) for i, v in enumerate(sampling.log_probs(LOGITS, 1.0).exp())}
     assert chi_square_pvalue(Counter(draws.tolist()), law) < ALPHA
+
+
+# Temperatures whose scaled logits overflow (or whose float32 value is 0 or denormal), huge ones,
+# and logits at the float limits: the law must stay a law and every draw a token of the vocabulary.
+EXTREME_TEMPERATURES = [1e-45, 1e-38, 1.4e-45, 1.1754944e-38, 1e-300, 1e30, 1e38]
+EXTREME_LOGITS = [
+    LOGITS,
+    torch.tensor([3e38, -3e38, 1.0, 0.0]),
+    torch.tensor([float("inf"), 0.0, float("inf"), -1.0]),
+    torch.tensor([float("-inf"), 2.0, float("-inf"), 1.0]),
+    torch.tensor([float("nan"), 1.0, 0.0, -1.0]),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("temperature", EXTREME_TEMPERATURES)
+@pytest.mark.parametrize("top_k", [0, 2])
+@pytest.mark.parametrize("top_p", [1.0, 0.5, 5e-324])
+def test_extreme_settings_give_a_law_and_tokens_in_the_vocabulary(dtype, temperature, top_k, top_p):
+    """1e-45 overflowed float32's scaled logits to inf; the law was NaN and `sample` returned
+    id 4 == V, which then failed a whole server batch (issue 12)."""
+    g = torch.Generator().manual_seed(0)
+    for logits in EXTREME_LOGITS:
+        logp = sampling.log_probs(logits.to(dtype), temperature, top_k, top_p)
+        assert not logp.isnan().any() and not logp.isposinf().any()
+        assert float(torch.logsumexp(logp.double(), -1)) == pytest.approx(0.0, abs=1e-6)
+        draws = sampling.sample(logp.expand(200, -1), g)
+        assert draws.min() >= 0 and draws.max() < logits.shape[-1]
+        assert bool(logp[draws].isfinite().all())  # only tokens of positive probability
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-38, 1e-300])
+def test_an_overflowing_temperature_is_the_greedy_law(temperature):
+    """Scaled logits overflow only when T < |l| / 3.4e38; two distinct float32 logits are then
+    more than 1e31 apart once scaled, so every other token's tempered mass is exp(-1e31) = 0."""
+    logits = torch.tensor([[0.5, 2.0, 1.0, -1.0], [1.0, 1.0 + 1e-6, 0.0, 0.0]])
+    greedy = sampling.log_probs(logits, 0.0)
+    torch.testing.assert_close(sampling.log_probs(logits, temperature).exp(), greedy.exp())
+    mixed = torch.stack([logits[0], logits[0] * 1e-40])  # 1e-40: no overflow at T = 1e-45
+    want = torch.log_softmax(logits[0] * 1e-40 / 1e-45, -1)  # float32: 1e-45 is 1.4e-45
+    torch.testing.assert_close(sampling.log_probs(mixed, 1e-45)[1], want)
+
+
+def test_sample_stays_in_the_vocabulary_on_a_row_without_mass():
+    """All -inf (a row whose mask allows nothing) or NaN: no token to draw, yet an id in range."""
+    g = torch.Generator().manual_seed(0)
+    rows = torch.tensor([[NEG] * 4, [float("nan")] * 4, [NEG, NEG, 0.0, NEG]])
+    got = sampling.sample(rows, g)
+    assert got.tolist()[2] == 2 and got.min() >= 0 and got.max() < 4
+
+
+NEG = float("-inf")

@@ -13,6 +13,7 @@ Target: pi(x) = p(x)^alpha * 1[x allowed] * exp(v(x)) / Z, alpha = 1 + potential
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import torch
@@ -68,7 +69,23 @@ class Guide:
         """log_end of a particle cut at max_new_tokens (incomplete under a constraint: -inf)."""
         return self.potential.log_end(self.states[i])
 
+    def release(self) -> None:
+        """Drop the particles' states (a matcher each under a constraint, megabytes for a big
+        grammar) as the decode ends, not when the last reference to the decode's frames goes
+        (a failed job's error keeps them), and hand the freed heap back to the system."""
+        self.states = []
+        release_heap()
+
     def reorder(self, source: torch.Tensor) -> None:
         """Resampling: particle j becomes a copy of particle source[j]."""
         self.states = [self.potential.copy(self.states[int(a)]) for a in source]
         self.value = self.value[source]
+
+
+def release_heap() -> None:
+    """glibc keeps freed memory in the arena of the thread that freed it (a job's thread here)
+    until `malloc_trim`; without it a constrained request's matchers stay in the RSS. A no-op
+    where the C library has no `malloc_trim` (musl, macOS)."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # the process's own symbols
+    if trim is not None:
+        trim(0)

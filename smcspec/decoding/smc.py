@@ -105,11 +105,26 @@ class SMCDecoder:
         watch: Watch | None = None,
     ) -> DecodeResult:
         check_prompt(prompt, self.target)
+        n = self.config.particles
+        guide = Guide(self.potential, n) if self.potential is not None else None
+        try:
+            return self._decode(prompt, sampling_cfg, generator, watch, guide)
+        finally:
+            if guide is not None:  # even if the job's error (and its frames) is kept
+                guide.release()
+
+    def _decode(
+        self,
+        prompt: list[int],
+        sampling_cfg: SamplingConfig,
+        generator: torch.Generator,
+        watch: Watch | None,
+        guide: Guide | None,
+    ) -> DecodeResult:
         clock = StageClock()
         n = self.config.particles
         prompt_t = torch.tensor(prompt, dtype=torch.long)
         pop = Population.start(n, sampling_cfg.max_new_tokens)
-        guide = Guide(self.potential, n) if self.potential is not None else None
         with released() as held:
             with clock.stage("prefill"):
                 caches = (

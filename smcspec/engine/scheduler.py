@@ -14,6 +14,13 @@ Threads: forward passes (which allocate KV pages) run only on the scheduler's th
 jobs whose calls they serve wait; a job's thread touches only its own caches (fork, crop,
 release: page references of its own sequences). Page ids come from a thread-safe free list and
 sequence ids from an atomic counter, so no two threads ever write the same state.
+
+Failures stay with their job: a call's inputs are checked on the job's thread before they join
+a pass (ids in the vocabulary, shapes), and a batched pass that fails anyway is rolled back
+(each cache cropped to its length before the pass) and re-run call by call, so only the calls
+that fail alone fail. No wait is without end: if the scheduler's thread dies, every waiting
+call, queued job and later submission fails with the reason (`alive` turns False), and a job
+waiting on a call also checks, once a second, that the thread still lives.
 """
 
 from __future__ import annotations
@@ -142,6 +149,7 @@ class Scheduler:
         self._calls: list[_Call] = []
         self._reserved = [0] * len(self.models)
         self._stopping = False
+        self._death: BaseException | None = None  # why the loop ended, if not by shutdown
         self._thread = threading.Thread(target=self._loop, name="smcspec-scheduler", daemon=True)
         self._thread.start()
 
@@ -176,9 +184,16 @@ class Scheduler:
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the scheduler is shut down")
+            if self._death is not None:
+                raise self._dead_error()
             self._queue.append(job)
             self._admit()
         return job
+
+    @property
+    def alive(self) -> bool:
+        """Whether the scheduler's thread runs (False after shutdown or a fatal fault)."""
+        return self._thread.is_alive() and self._death is None
 
     @property
     def queued(self) -> int:
@@ -204,7 +219,7 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Start queued jobs in order while they fit (caller holds the lock)."""
-        while self._queue and len(self._running) < self.max_running:
+        while self._queue and len(self._running) < self.max_running and self._death is None:
             job = self._queue[0]
             if job.future.cancelled():
                 self._queue.popleft()
@@ -250,72 +265,143 @@ class Scheduler:
             self._cond.notify_all()
 
     def _call(self, call: _Call) -> torch.Tensor:
+        self._check(call)
         with self._cond:
             if self._stopping:
                 raise Cancelled("the server is shutting down")
+            if self._death is not None:
+                raise self._dead_error()
             self._calls.append(call)
             self._computing -= 1
             self._cond.notify_all()
-        call.done.wait()
+        # woken by the loop, or by its death; the poll covers a thread that died mid-wake-up
+        while not call.done.wait(1.0):
+            if not self._thread.is_alive():
+                raise self._dead_error()
         if call.error is not None:
             raise call.error
         assert call.logits is not None
         return call.logits
 
+    def _check(self, call: _Call) -> None:
+        """Refuse, on the job's own thread, a call that would fail the pass it joins."""
+        tokens, vocab = call.tokens, self.models[call.model].vocab_size
+        if tokens.dim() != 2 or tokens.shape[0] < 1 or tokens.shape[1] < 1:
+            raise ValueError(f"tokens must be [rows, positions], both >= 1; got {tokens.shape}")
+        if tokens.dtype == torch.bool or tokens.is_floating_point() or tokens.is_complex():
+            raise ValueError(f"tokens must be integer ids, got {tokens.dtype}")
+        if not 1 <= call.num_logits <= tokens.shape[1]:
+            raise ValueError(f"num_logits must be in [1, {tokens.shape[1]}], got {call.num_logits}")
+        low, high = int(tokens.min()), int(tokens.max())
+        if low < 0 or high >= vocab:
+            bad = low if low < 0 else high
+            raise ValueError(f"token id {bad} is outside model {call.model}'s ids [0, {vocab})")
+
+    def _dead_error(self) -> RuntimeError:
+        return RuntimeError(f"the scheduler thread died ({self._death!r}); restart the server")
+
     # -- batching ---------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._stopping or (self._calls and not self._computing))
-                calls, self._calls = self._calls, []
-                if self._stopping:
-                    for call in calls:
-                        call.error = Cancelled("the server is shutting down")
-                        call.done.set()
-                    return
-            try:
-                finished = self._execute(calls)
-            except Exception as err:  # a fault here must fail the waiting calls, not hang them
+        calls: list[_Call] = []
+        try:
+            while self._step(calls):
+                pass
+        except BaseException as err:  # a dead loop must fail its waiters, not hang them
+            self._die(err, calls)
+
+    def _step(self, calls: list[_Call]) -> bool:
+        """One pass; False once shut down. `calls` is filled in place, so a fatal fault can fail
+        the calls it was serving."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._stopping or (self._calls and not self._computing))
+            calls[:], self._calls = self._calls, []
+            if self._stopping:
                 for call in calls:
-                    call.error, call.finished = err, True
-                finished = calls
-            with self._cond:
-                # unfinished calls (pieces still to run) stay first, in their order
-                self._calls = [c for c in calls if not c.finished] + self._calls
-                self._computing += len(finished)
-            for call in finished:
-                call.done.set()
+                    call.error = Cancelled("the server is shutting down")
+                    call.done.set()
+                return False
+        try:
+            finished = self._execute(calls)
+        except Exception as err:  # a fault here must fail the waiting calls, not hang them
+            for call in calls:
+                call.error, call.finished = err, True
+            finished = list(calls)
+        with self._cond:
+            # unfinished calls (pieces still to run) stay first, in their order
+            self._calls = [c for c in calls if not c.finished] + self._calls
+            self._computing += len(finished)
+            calls.clear()
+        for call in finished:
+            call.done.set()
+        return True
+
+    def _die(self, err: BaseException, calls: list[_Call]) -> None:
+        """The loop cannot go on: fail the calls in flight and waiting, and the queued jobs."""
+        with self._cond:
+            self._death = err
+            dead = self._dead_error()
+            for call in calls + self._calls:
+                if not call.done.is_set():
+                    call.error = dead
+                    call.done.set()
+            self._calls = []
+            for job in self._queue:
+                if not job.future.done():
+                    job.future.set_exception(dead)
+            self._queue.clear()
+            self._cond.notify_all()
 
     def _execute(self, calls: list[_Call]) -> list[_Call]:
         """One batched forward over (pieces of) the waiting calls of one model; returns the
         calls now complete. The model is the last in `models` that has waiting calls: the
         cheap draft runs first, so jobs gather at the expensive target and share its pass
         (a job's draft phase is at most a few calls, so the target always comes). If the pass
-        fails, every call in it fails with the error (each job then unwinds, freeing pages)."""
+        fails, it is undone and each piece re-run alone: only the pieces that fail alone fail
+        (each such job then unwinds, freeing pages)."""
         index = max(c.model for c in calls)
         pieces = self._pieces([c for c in calls if c.model == index])
-        feeds = [
-            (c.tokens[:, a:b], c.cache, c.num_logits if b == c.tokens.shape[1] else 1)
-            for c, a, b in pieces
-        ]
         start = time.perf_counter()
         try:
-            logits = forward_many(self.models[index], feeds)
-        except Exception as err:
-            for c, _, _ in pieces:
-                c.error, c.finished = err, True
-            return [c for c, _, _ in pieces]
+            logits = self._forward(index, pieces)
+        except Exception:
+            logits = [self._forward_alone(index, piece) for piece in pieces]
         self.stats.seconds[index] += time.perf_counter() - start
         self.stats.forwards[index] += 1
         self.stats.rows[index] += sum(c.tokens.shape[0] for c, _, _ in pieces)
         finished = []
         for (c, _, b), out in zip(pieces, logits, strict=True):
+            if out is None:  # failed alone: c.error is set
+                c.finished = True
+                finished.append(c)
+                continue
             c.fed = b
             if b == c.tokens.shape[1]:
                 c.logits, c.finished = out, True
                 finished.append(c)
         return finished
+
+    def _forward(self, index: int, pieces: list[tuple[_Call, int, int]]) -> list[torch.Tensor]:
+        """One pass over `pieces`; if it raises, every cache is cropped back to its length."""
+        lengths = [c.cache.length for c, _, _ in pieces]
+        feeds = [
+            (c.tokens[:, a:b], c.cache, c.num_logits if b == c.tokens.shape[1] else 1)
+            for c, a, b in pieces
+        ]
+        try:
+            return forward_many(self.models[index], feeds)
+        except Exception:
+            for (c, _, _), length in zip(pieces, lengths, strict=True):
+                c.cache.crop(length)
+            raise
+
+    def _forward_alone(self, index: int, piece: tuple[_Call, int, int]) -> torch.Tensor | None:
+        """The piece's logits from a pass of its own; None (and the call's error) if it fails."""
+        try:
+            return self._forward(index, [piece])[0]
+        except Exception as err:
+            piece[0].error = err
+            return None
 
     def _pieces(self, calls: list[_Call]) -> list[tuple[_Call, int, int]]:
         """(call, first, end): the token columns of each call that run in this pass, oldest

@@ -245,3 +245,55 @@ def test_generate_batch_takes_stop_strings(llm):
         (r.text, r.token_ids, r.finish_reason) for r in alone
     ]
     assert all(" 3" not in r.text for r in batch)
+
+
+EXTREME_SAMPLING = [
+    dict(temperature=1e-45),
+    dict(temperature=1e-38, top_k=2),
+    dict(temperature=1.4e-45, top_p=1e-9),
+    dict(temperature=1e-300),
+    dict(temperature=1e30),
+    dict(temperature=1e38, top_p=0.5),
+    dict(temperature=1.0, draft_temperature=1e-45),
+    dict(temperature=1e-45, draft_temperature=1e38),
+]
+
+
+@pytest.mark.parametrize("method", ["ar", "sd", "smc"])
+@pytest.mark.parametrize("options", EXTREME_SAMPLING)
+def test_extreme_temperatures_complete_with_tokens_in_the_vocabulary(llm, method, options):
+    """Issue 12: at T = 1e-45 the float32 law was NaN and the sampler returned id V."""
+    out = llm.generate(
+        [1, 2],
+        method,
+        particles=4,
+        draft_tokens=2,
+        max_new_tokens=8,
+        seed=5,
+        stop_at_eos=False,
+        **options,
+    )
+    assert len(out.token_ids) == 8 and all(0 <= t < 5 for t in out.token_ids)
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_folder, tiny_draft_folder):
+    return LLM(str(tiny_folder), str(tiny_draft_folder), backend="native", dtype="float32")
+
+
+@pytest.mark.parametrize("method", ["ar", "sd", "smc"])
+@pytest.mark.parametrize("options", EXTREME_SAMPLING[:2] + EXTREME_SAMPLING[5:])
+def test_extreme_temperatures_on_the_native_model(tiny_llm, method, options):
+    out = tiny_llm.generate(
+        [4, 5, 6],
+        method,
+        particles=4,
+        draft_tokens=2,
+        max_new_tokens=6,
+        seed=5,
+        stop_at_eos=False,
+        **options,
+    )
+    vocab = tiny_llm.target.vocab_size
+    assert len(out.token_ids) == 6 and all(0 <= t < vocab for t in out.token_ids)
+    assert tiny_llm.target.pages.used_pages == 0

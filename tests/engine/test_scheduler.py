@@ -207,3 +207,97 @@ def test_generate_batch_gives_what_generate_gives_prompt_by_prompt(llm):
     with pytest.raises(ValueError, match="particles"):
         llm.generate_batch(["w1", "w2"], "smc", particles=0)
     assert llm.target.pages.used_pages == 0
+
+
+class _Flaky:
+    """`model`, except that a pass carrying a cache in `poisoned` raises once it has run (after
+    its KV writes, as a fault found on the device would): the scheduler must undo and isolate."""
+
+    def __init__(self, model, poisoned: set[int]) -> None:
+        self.model, self.poisoned = model, poisoned
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def forward_many(self, calls):
+        out = self.model.forward_many(calls)
+        if any(id(cache) in self.poisoned for _, cache, _ in calls):
+            raise RuntimeError("poisoned pass")
+        return out
+
+
+def test_one_poisoned_job_fails_alone_and_the_eight_others_get_their_tokens(llm):
+    """Issue 12: a job whose call is bad (an id outside the vocabulary, or a pass that fails
+    with it) failed every job batched with it. Each good one must give what it gives alone."""
+    settings = SETTINGS + [dict(method="sd", seed=7, draft_tokens=2, max_new_tokens=10)] * 2
+    requests = [llm.plan("w1 w2 w3", stop_at_eos=False, **s) for s in settings]
+    alone = [llm.run(r).token_ids for r in requests]
+    poisoned: set[int] = set()
+    scheduler = Scheduler((_Flaky(llm.target, poisoned), llm.draft))
+    bad_request = llm.plan("w4", method="ar", max_new_tokens=5, stop_at_eos=False, seed=1)
+
+    def out_of_vocabulary(views):
+        cache = views[0].new_cache()
+        try:
+            return views[0].forward(torch.tensor([[3, llm.target.vocab_size]]), cache, 1)
+        finally:
+            cache.release()
+
+    def failing_pass(views):
+        class Marked:  # the view, its caches marked as poisoned
+            vocab_size, eos_token_ids = views[0].vocab_size, views[0].eos_token_ids
+            forward = views[0].forward
+
+            def new_cache(self):
+                cache = views[0].new_cache()
+                poisoned.add(id(cache))
+                return cache
+
+        return llm.run(bad_request, (Marked(), views[1]))
+
+    try:
+        rows, length = bad_request.kv_rows(), bad_request.max_length()
+        bad = [scheduler.submit(Job(w, rows, length)) for w in (out_of_vocabulary, failing_pass)]
+        jobs = [scheduler.submit(llm.job(r)) for r in requests]
+        together = [j.future.result(timeout=60).token_ids for j in jobs]
+        with pytest.raises(ValueError, match="outside model 0's ids"):
+            bad[0].future.result(timeout=60)
+        with pytest.raises(RuntimeError, match="poisoned pass"):
+            bad[1].future.result(timeout=60)
+    finally:
+        scheduler.shutdown()
+    assert together == alone
+    assert scheduler.stats.failed == 2 and scheduler.stats.finished == 8
+    assert llm.target.pages.used_pages == 0 and llm.draft.pages.used_pages == 0
+
+
+class _Fatal(BaseException):
+    """Not an Exception: it goes through every `except Exception` and ends the loop's thread."""
+
+
+def test_a_dead_scheduler_thread_fails_waiting_queued_and_new_jobs(llm):
+    class Fatal:
+        vocab_size, eos_token_ids = llm.target.vocab_size, llm.target.eos_token_ids
+
+        def new_cache(self):
+            return llm.target.new_cache()
+
+        def forward(self, tokens, cache, num_logits):
+            raise _Fatal("the loop's thread is gone")
+
+    scheduler = Scheduler((Fatal(), llm.draft), max_running=1)
+    request = llm.plan("w1 w2", method="ar", max_new_tokens=4)
+    try:
+        assert scheduler.alive
+        waiting = scheduler.submit(llm.job(request))
+        queued = scheduler.submit(llm.job(request))  # max_running=1: it waits in the queue
+        for job in (waiting, queued):
+            with pytest.raises(RuntimeError, match="scheduler thread died"):
+                job.future.result(timeout=20)  # bounded: before the fix this hung for ever
+        scheduler._thread.join(timeout=20)
+        assert not scheduler.alive
+        with pytest.raises(RuntimeError, match="scheduler thread died"):
+            scheduler.submit(llm.job(request))
+    finally:
+        scheduler.shutdown()
+    assert llm.target.pages.used_pages == 0

@@ -141,7 +141,9 @@ def _add_serve(sub) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")
     serve.add_argument(
-        "--model-name", default=None, help="the model id clients send (default: the target's)"
+        "--model-name",
+        default=None,
+        help="the model id clients send (default: the target's folder or file name)",
     )
     serve.add_argument(
         "--method",
@@ -169,6 +171,24 @@ def _add_serve(sub) -> None:
         type=int,
         default=256,
         help="tokens per forward pass; longer prompts are prefilled in pieces",
+    )
+    serve.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=4 * 2**20,
+        help="larger request bodies get a 413 before parsing (default: 4 MiB)",
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=5.0,
+        help="seconds running requests get to finish after SIGTERM before they are cancelled",
+    )
+    serve.add_argument(
+        "--read-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a client has to send a request's headers and body",
     )
     _add_model_options(serve)
 
@@ -360,9 +380,8 @@ def _with_system(llm, system: str, prompt: str) -> list[int]:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from smcspec.server.app import ServeDefaults, create_app
+    from smcspec.server.app import HTTPServer, ServeDefaults, create_app
+    from smcspec.server.runtime import public_name
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
@@ -377,16 +396,20 @@ def _serve(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         max_running=args.max_running,
         max_batch_tokens=args.max_batch_tokens,
+        max_body_bytes=args.max_body_bytes,
+        shutdown_timeout=args.shutdown_timeout,
+        read_timeout=args.read_timeout,
     )
     llm = llm_from_args(args)
-    defaults = dataclasses.replace(defaults, model_name=args.model_name or llm.names[0])
+    name = args.model_name or public_name(llm.names[0])
+    defaults = dataclasses.replace(defaults, model_name=name)
     app = create_app(llm, defaults)
     print(
         f"smcspec: serving {defaults.model_name!r} ({llm.backend}, {llm.dtype}) on "
         f"http://{args.host}:{args.port}/v1",
         file=sys.stderr,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    HTTPServer(app, args.host, args.port).run()
     return 0
 
 

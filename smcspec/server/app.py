@@ -1,11 +1,15 @@
 """The OpenAI-compatible HTTP server.
 
     app = create_app(llm, ServeDefaults(model_name="my-model"))
+    HTTPServer(app, "127.0.0.1", 8000).run()
 
 Every choice of every request is one scheduler job (see `engine.scheduler`), so concurrent
 requests share forward passes, each with its own method and settings. Streaming sends the text
 that can no longer change: committed tokens for ar and sd, the particles' common prefix for smc,
 and the rest once the final particle is drawn.
+
+Parsing, templating, tokenizing and planning run in worker threads, so a large body never holds
+up the event loop; bodies over `max_body_bytes` are refused before anything parses them.
 """
 
 from __future__ import annotations
@@ -18,24 +22,43 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import h11
+import uvicorn
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
+from pydantic.json_schema import models_json_schema
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from smcspec.engine import LLM, GenerationResult
 from smcspec.engine.scheduler import Cancelled
-from smcspec.server.runtime import ApiError, Choice, ServeDefaults, Server, result_of
+from smcspec.server.runtime import (
+    ApiError,
+    Choice,
+    ServeDefaults,
+    Server,
+    public_name,
+    result_of,
+)
 from smcspec.server.schema import ChatRequest, CompletionRequest, GenerationFields
 
-__all__ = ["ServeDefaults", "create_app"]
+__all__ = ["HTTPServer", "ServeDefaults", "create_app"]
 
 POLL_S = 0.25  # how often a waiting non-streaming request checks that its client is still there
+KEEP_ALIVE_S = 5.0  # an idle keep-alive connection is closed after this
+CLOSE_S = 2.0  # after the grace period, how long cancelled requests get to send their errors
+MAX_HEADER_BYTES = 16 * 1024
 
 
-async def _gather(choices: list[Choice], request: HTTPRequest) -> list[GenerationResult]:
+async def _gather(
+    server: Server, choices: list[Choice], request: HTTPRequest
+) -> list[GenerationResult]:
     """Wait for every choice's job; cancel them all if the client goes away."""
     futures = [asyncio.wrap_future(c.job.future) for c in choices]
     try:
@@ -45,10 +68,17 @@ async def _gather(choices: list[Choice], request: HTTPRequest) -> list[Generatio
                 break
             if await request.is_disconnected():
                 raise Cancelled("the client went away")
-        return [result_of(f) for f in futures]
+        return [_outcome(server, f) for f in futures]
     finally:
         for c in choices:
             c.job.cancel()
+
+
+def _outcome(server: Server, future) -> GenerationResult:
+    try:
+        return result_of(future)
+    except Cancelled as err:
+        raise server.failure(err) or err from err
 
 
 def _error_body(message: str, param: str | None = None, code=None, kind="invalid_request_error"):
@@ -63,6 +93,97 @@ def _sse(payload: dict | str) -> str:
 # -- the app ----------------------------------------------------------------------------------
 
 
+class _Guard:
+    """Counts requests by route and status, and refuses a body over `max_body` bytes with a 413
+    before anything parses it. Pure ASGI: Starlette's BaseHTTPMiddleware would hide a client's
+    hang-up from the handler, whose jobs would then run to the end."""
+
+    def __init__(self, app: ASGIApp, server: Server) -> None:
+        self.app, self.server = app, server
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500
+        limit = self.server.defaults.max_body_bytes
+
+        async def counted(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            if _content_length(scope) > limit:
+                response = JSONResponse(_error_body(_too_large(limit)), status_code=413)
+                await response(scope, receive, counted)
+            else:
+                await self.app(scope, _bounded(receive, limit), counted)
+        finally:
+            route = scope.get("route")
+            self.server.metrics.count_request(getattr(route, "path", "other"), status)
+
+
+def _content_length(scope: Scope) -> int:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            return int(value) if value.isdigit() else 0
+    return 0
+
+
+def _too_large(limit: int) -> str:
+    return f"the request body is over the server's limit of {limit} bytes"
+
+
+def _bounded(receive: Receive, limit: int) -> Receive:
+    """`receive` that counts the body as it arrives (a chunked body declares no length)."""
+    seen = 0
+
+    async def bounded() -> Message:
+        nonlocal seen
+        message = await receive()
+        seen += len(message.get("body", b""))
+        if seen > limit:
+            raise HTTPException(413, _too_large(limit))
+        return message
+
+    return bounded
+
+
+def _parse(model: type[GenerationFields], raw: bytes) -> GenerationFields:
+    """The body checked against its schema. Bytes that are not UTF-8 become lone surrogates,
+    which the runtime refuses naming the field they are in."""
+    try:
+        data = json.loads(raw.decode("utf-8", "surrogateescape"))
+    except json.JSONDecodeError as err:
+        error = {"type": "json_invalid", "loc": ("body", err.pos), "ctx": {"error": err.msg}}
+        raise RequestValidationError([{**error, "msg": "JSON decode error"}]) from err
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        raise RequestValidationError(err.errors(include_url=False)) from err
+
+
+def _body_schema(name: str) -> dict:
+    ref = {"$ref": f"#/components/schemas/{name}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def _with_body_schemas(app: FastAPI) -> None:
+    """The bodies are parsed off the event loop, not by FastAPI: add their schemas to OpenAPI."""
+    plain = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = plain()
+            models = [(CompletionRequest, "validation"), (ChatRequest, "validation")]
+            _, defs = models_json_schema(models, ref_template="#/components/schemas/{model}")
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def create_app(llm: LLM, defaults: ServeDefaults) -> FastAPI:
     server = Server(llm, defaults)
 
@@ -73,28 +194,36 @@ def create_app(llm: LLM, defaults: ServeDefaults) -> FastAPI:
 
     app = FastAPI(title="smcspec", version="0.1.0", lifespan=lifespan)
     app.state.server = server
+    app.add_middleware(_Guard, server=server)
     _add_error_handlers(app)
+    _with_body_schemas(app)
 
-    @app.middleware("http")
-    async def count(request: HTTPRequest, call_next):
-        response = await call_next(request)
-        route = request.scope.get("route")
-        server.metrics.count_request(getattr(route, "path", "other"), response.status_code)
-        return response
+    def completion(raw: bytes) -> tuple[GenerationFields, list[Choice]]:
+        body = _parse(CompletionRequest, raw)
+        server.check_model(body.model)
+        return body, server.plan(body, server.completion_prompts(body), "prompt")
+
+    def chat_completion(raw: bytes) -> tuple[GenerationFields, list[Choice]]:
+        body = _parse(ChatRequest, raw)
+        server.check_model(body.model)
+        return body, server.plan(body, server.chat_prompt(body), "messages")
 
     @app.get("/health")
-    async def health() -> dict:
+    async def health() -> Response:
         s = server.scheduler
-        return {
-            "status": "ok",
+        alive = s.alive
+        report = {
+            "status": "ok" if alive else "degraded",
             "model": defaults.model_name,
-            "target": llm.names[0],
-            "draft": llm.names[1],
+            "target": public_name(llm.names[0]),
+            "draft": public_name(llm.names[1]),
             "backend": llm.backend,
             "dtype": llm.dtype,
+            "scheduler_alive": alive,
             "running": s.running,
             "queued": s.queued,
         }
+        return JSONResponse(report, status_code=200 if alive else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -105,16 +234,14 @@ def create_app(llm: LLM, defaults: ServeDefaults) -> FastAPI:
         card = {"id": defaults.model_name, "object": "model", "created": server.created}
         return {"object": "list", "data": [{**card, "owned_by": "smcspec"}]}
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: HTTPRequest):
-        server.check_model(body.model)
-        choices = server.plan(body, server.completion_prompts(body), "prompt")
+    @app.post("/v1/completions", openapi_extra=_body_schema("CompletionRequest"))
+    async def completions(request: HTTPRequest):
+        body, choices = await run_in_threadpool(completion, await request.body())
         return await _respond(server, body, choices, request, chat=False)
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, request: HTTPRequest):
-        server.check_model(body.model)
-        choices = server.plan(body, server.chat_prompt(body), "messages")
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema("ChatRequest"))
+    async def chat(request: HTTPRequest):
+        body, choices = await run_in_threadpool(chat_completion, await request.body())
         return await _respond(server, body, choices, request, chat=True)
 
     return app
@@ -146,7 +273,7 @@ async def _respond(
         events = _stream(server, body, choices, queue, head, chat, prompt_tokens, started)
         return StreamingResponse(events, media_type="text/event-stream")
     _submit_all(server, choices, None)
-    results = await _gather(choices, request)
+    results = await _gather(server, choices, request)
     out, completion_tokens = [], 0
     for c, result in zip(choices, results, strict=True):
         f = server.finish(result, body.return_particles)
@@ -215,9 +342,9 @@ async def _stream(
             open_choices.discard(index)
             c = choices[index]
             try:
-                result = result_of(c.job.future)
+                result = _outcome(server, c.job.future)
             except ApiError as err:
-                yield _sse(_error_body(err.message, err.param))
+                yield _sse(_error_body(err.message, err.param, err.code, err.kind))
                 continue
             except Exception as err:
                 yield _sse(_error_body(f"generation failed: {err}", kind="server_error"))
@@ -246,7 +373,8 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: HTTPRequest, err: ApiError) -> JSONResponse:
-        return JSONResponse(_error_body(err.message, err.param, err.code), status_code=err.status)
+        body = _error_body(err.message, err.param, err.code, err.kind)
+        return JSONResponse(body, status_code=err.status)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: HTTPRequest, err: RequestValidationError) -> JSONResponse:
@@ -274,3 +402,70 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def crashed(request: HTTPRequest, err: Exception) -> JSONResponse:
         message = f"internal error: {type(err).__name__}: {err}"
         return JSONResponse(_error_body(message, kind="server_error"), status_code=500)
+
+
+# -- the HTTP server --------------------------------------------------------------------------
+
+
+def _h11_with_read_timeout(timeout: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with a deadline on reading a request: its headers and body must
+    arrive within `timeout` seconds of the connection opening or of the request's first byte
+    (uvicorn has none, so a client sending a byte now and then would hold the connection)."""
+
+    class ReadDeadline(H11Protocol):
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self.read_deadline = self.loop.call_later(timeout, self.read_timed_out)
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            reading = self.conn.their_state in (h11.IDLE, h11.SEND_BODY)
+            if not reading and self.read_deadline is not None:
+                self.read_deadline.cancel()
+                self.read_deadline = None
+            elif reading and self.read_deadline is None:
+                self.read_deadline = self.loop.call_later(timeout, self.read_timed_out)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self.read_deadline is not None:
+                self.read_deadline.cancel()
+            super().connection_lost(exc)
+
+        def read_timed_out(self) -> None:
+            self.read_deadline = None
+            if self.conn.their_state in (h11.IDLE, h11.SEND_BODY):
+                self.transport.close()
+
+    return ReadDeadline
+
+
+class HTTPServer(uvicorn.Server):
+    """uvicorn for an app of `create_app`, with its limits. Shutdown (SIGTERM, SIGINT) is
+    bounded: new connections are refused at once and new requests get a 503; running requests
+    have `shutdown_timeout` seconds to finish, then their jobs are cancelled (a waiting client
+    gets a 503, a stream an error event), and the process exits `CLOSE_S` later at the most."""
+
+    def __init__(self, app: FastAPI, host: str, port: int, log_level: str = "warning") -> None:
+        self.runtime: Server = app.state.server
+        d = self.runtime.defaults
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            http=_h11_with_read_timeout(d.read_timeout),
+            timeout_keep_alive=KEEP_ALIVE_S,
+            timeout_graceful_shutdown=d.shutdown_timeout + CLOSE_S,
+            h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+        )
+        super().__init__(config)
+
+    async def shutdown(self, sockets=None) -> None:
+        self.runtime.draining = True
+        grace = self.runtime.defaults.shutdown_timeout
+        cancel = asyncio.get_running_loop().call_later(grace, self.runtime.cancel_all)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            cancel.cancel()
+            self.runtime.cancel_all()

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import CancelledError
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from smcspec.config import (
@@ -23,18 +26,38 @@ from smcspec.config import (
     resolve_method,
 )
 from smcspec.engine import LLM, GenerationResult, Request
-from smcspec.engine.scheduler import Job, Scheduler
+from smcspec.engine.scheduler import Cancelled, Job, Scheduler
 from smcspec.engine.text import check_stops
 from smcspec.server.metrics import ServerMetrics
-from smcspec.server.schema import ChatRequest, CompletionRequest, GenerationFields
+from smcspec.server.schema import (
+    MAX_TOTAL_CHOICES,
+    ChatRequest,
+    CompletionRequest,
+    GenerationFields,
+)
+
+# No tokenizer we know packs more characters than this into a token, so a text longer than this
+# many characters per position of the context cannot fit: it is refused before tokenizing.
+MAX_CHARS_PER_TOKEN = 32
 
 
 class ApiError(Exception):
     """An error the client gets as an OpenAI-style JSON body."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code=None):
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status: int = 400,
+        code=None,
+        kind: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.message, self.param, self.status, self.code = message, param, status, code
+        self.kind = kind
+
+
+SHUTTING_DOWN = ApiError("the server is shutting down", status=503, kind="server_error")
 
 
 @dataclass(frozen=True)
@@ -52,16 +75,23 @@ class ServeDefaults:
     max_tokens: int = 128
     max_running: int = 64
     max_batch_tokens: int = 256
+    max_body_bytes: int = 4 * 2**20
+    shutdown_timeout: float = 5.0
+    read_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         if self.method is not None:
             check_method(self.method)
         method_configs(self.particles, self.draft_tokens, self.resample_threshold, self.resampling)
         SamplingConfig(temperature=self.temperature, max_new_tokens=self.max_tokens)
-        for name in ("max_running", "max_batch_tokens"):
+        for name in ("max_running", "max_batch_tokens", "max_body_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not 0 <= self.shutdown_timeout < math.inf:
+            raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
+        if not 0 < self.read_timeout < math.inf:
+            raise ValueError(f"read_timeout must be > 0 seconds, got {self.read_timeout}")
 
 
 @dataclass
@@ -85,6 +115,9 @@ class Server:
         self.metrics = ServerMetrics(self.scheduler, defaults.model_name)
         self.context_length = getattr(llm.target, "context_length", None)
         self.created = int(time.time())
+        self.draining = False  # set on shutdown: new requests get a 503
+        self._jobs: set[Job] = set()
+        self._lock = threading.Lock()
 
     # -- requests -> plans ------------------------------------------------------------------
 
@@ -104,12 +137,23 @@ class Server:
                 raise ApiError(f"prompt token ids must lie in [0, {vocab})", "prompt")
             return [list(prompt)]
         texts = [prompt] if isinstance(prompt, str) else prompt
+        _check_choices(len(texts), body.n)
+        for i, text in enumerate(texts):
+            param = "prompt" if isinstance(prompt, str) else f"prompt.{i}"
+            check_unicode(text, param)
+            self._check_fits(len(text), "prompt")
         try:
             return [self.llm.encode(t, chat=False) for t in texts]
         except ValueError as err:
             raise ApiError(str(err), "prompt") from err
 
     def chat_prompt(self, body: ChatRequest) -> list[list[int]]:
+        for i, m in enumerate(body.messages):
+            parts = [m.content] if isinstance(m.content, str) else [p.text for p in m.content]
+            for j, text in enumerate(parts):
+                suffix = "" if isinstance(m.content, str) else f".{j}.text"
+                check_unicode(text, f"messages.{i}.content{suffix}")
+        self._check_fits(sum(len(m.text) for m in body.messages), "messages")
         messages = [{"role": m.role, "content": m.text} for m in body.messages]
         try:
             return [self.llm.encode_messages(messages)]
@@ -121,6 +165,8 @@ class Server:
         d = self.defaults
         particles = body.particles or d.particles
         k = body.draft_tokens or d.draft_tokens
+        for i, stop in enumerate(body.stops):
+            check_unicode(stop, "stop" if isinstance(body.stop, str) else f"stop.{i}")
         try:
             stops = check_stops(body.stops)
         except ValueError as err:
@@ -160,6 +206,16 @@ class Server:
                 choices.append(Choice(len(choices), plan))
         return choices
 
+    def _check_fits(self, chars: int, param: str) -> None:
+        """Refuse, before tokenizing it, text far longer than the context could hold."""
+        ctx = self.context_length
+        if ctx is not None and chars > MAX_CHARS_PER_TOKEN * ctx:
+            raise ApiError(
+                f"{param} has {chars} characters: more than {MAX_CHARS_PER_TOKEN} per token of "
+                f"the model's context of {ctx} tokens, so it cannot fit",
+                param,
+            )
+
     def _token_limit(self, body: GenerationFields, prompt_len: int, lookahead: int, param: str):
         """max_tokens as asked, or the server default cut to the room the context leaves."""
         limit = body.token_limit
@@ -187,11 +243,36 @@ class Server:
         """Queue the choice's job; `on_text(index, delta)` gets its text as it is fixed, all of
         it before the job's future resolves."""
         emit = None if on_text is None else (lambda delta: on_text(choice.index, delta))
+        if self.draining:
+            raise SHUTTING_DOWN
         try:
-            choice.job = self.scheduler.submit(self.llm.job(choice.plan, on_text=emit))
+            job = self.scheduler.submit(self.llm.job(choice.plan, on_text=emit))
         except ValueError as err:
             raise ApiError(str(err)) from err
-        return choice.job
+        with self._lock:
+            self._jobs.add(job)
+        job.future.add_done_callback(lambda _: self._forget(job))
+        choice.job = job
+        return job
+
+    def _forget(self, job: Job) -> None:
+        with self._lock:
+            self._jobs.discard(job)
+
+    def cancel_all(self) -> None:
+        """Cancel every job still running or queued (the end of a shutdown's grace period):
+        non-streaming requests answer 503, streams end with an error event."""
+        self.draining = True
+        with self._lock:
+            jobs = list(self._jobs)
+        for job in jobs:
+            job.cancel()
+
+    def failure(self, err: BaseException) -> ApiError | None:
+        """The error a client gets for a job that did not finish, if it is the server's doing."""
+        if isinstance(err, Cancelled | CancelledError) and self.draining:
+            return SHUTTING_DOWN
+        return None
 
     def finish(self, result: GenerationResult, particles: bool) -> dict:
         """The finish reason, the token count and the diagnostics of a finished choice."""
@@ -212,12 +293,44 @@ class Server:
 
 def result_of(future) -> GenerationResult:
     """The result of a finished job's future (asyncio or concurrent), bad input as ApiError."""
+    if future.cancelled():  # a job cancelled while still queued
+        raise Cancelled("the request was cancelled")
     err = future.exception()
     if err is None:
         return future.result()
     if isinstance(err, ValueError):
         raise ApiError(str(err)) from err
     raise err
+
+
+def _check_choices(prompts: int, n: int) -> None:
+    if prompts * n > MAX_TOTAL_CHOICES:
+        raise ApiError(
+            f"{prompts} prompts x n = {n} make {prompts * n} choices: at most "
+            f"{MAX_TOTAL_CHOICES} per request",
+            "prompt" if prompts > MAX_TOTAL_CHOICES else "n",
+        )
+
+
+def check_unicode(text: str, param: str) -> None:
+    """Refuse text with lone surrogates (from a JSON escape, or a byte that was not UTF-8)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ApiError(
+            f"{param} is not valid Unicode text: a lone surrogate or an undecodable byte at "
+            f"character {err.start}",
+            param,
+        ) from err
+
+
+def public_name(spec: str) -> str:
+    """The model id to show for a hub id, folder or file: a local path gives its last part
+    (a `.gguf` file its stem), so no absolute path reaches clients."""
+    path = Path(spec)
+    if not (path.is_absolute() or path.exists()):
+        return spec
+    return path.stem if path.suffix == ".gguf" else path.name
 
 
 def _given(value, default):

@@ -12,6 +12,9 @@ from smcspec.config import MAX_PARTICLES, RESAMPLING_SCHEMES
 
 MAX_STOPS = 4
 MAX_CHOICES = 16
+MAX_TOTAL_CHOICES = 64  # prompts x n
+# Validation holds the GIL (and so the event loop) for ~6 us a message: 4096 take ~25 ms.
+MAX_MESSAGES = 4096
 Resampling = Literal[RESAMPLING_SCHEMES]  # type: ignore[valid-type]
 
 
@@ -127,7 +130,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatRequest(GenerationFields):
-    messages: list[ChatMessage] = Field(..., min_length=1)
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1)
 
     @property

@@ -5,10 +5,9 @@ import time
 from dataclasses import dataclass
 
 import pytest
-import uvicorn
 
 from smcspec import LLM
-from smcspec.server.app import ServeDefaults, create_app
+from smcspec.server.app import HTTPServer, ServeDefaults, create_app
 
 MODEL = "tiny"
 
@@ -38,8 +37,7 @@ class Served:
 
 def serve(llm: LLM, defaults: ServeDefaults):
     app = create_app(llm, defaults)
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
-    server = uvicorn.Server(config)
+    server = HTTPServer(app, "127.0.0.1", 0)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     end = time.monotonic() + 30

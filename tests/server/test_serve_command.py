@@ -1,9 +1,14 @@
 """`smcspec serve` as a user starts it: a subprocess on a free port, then the openai client."""
 
+import json
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
+import requests
 from openai import OpenAI
 
 from smcspec.bench.serving import free_port, wait_ready
@@ -93,3 +98,83 @@ def test_request_defaults_are_the_engines_resolved_per_request():
         )
     finally:
         server.shutdown()
+
+
+def start(target, draft, port: int, *options: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "smcspec", "serve", "--port", str(port), "--target", str(target)]
+    cmd += ["--draft", str(draft), "--dtype", "float32", *options]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def test_the_model_id_is_the_folder_name_not_its_path(tiny_llama_folder, tiny_llama_draft_folder):
+    port = free_port()
+    proc = start(tiny_llama_folder, tiny_llama_draft_folder, port)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        health = wait_ready(url, proc, timeout=120)
+        name = tiny_llama_folder.name
+        assert (health["model"], health["target"]) == (name, name)
+        assert health["draft"] == tiny_llama_draft_folder.name
+        models = requests.get(url + "/v1/models", timeout=10).json()
+        assert [m["id"] for m in models["data"]] == [name]
+        bad = {"model": str(tiny_llama_folder), "prompt": "w1"}
+        error = requests.post(url + "/v1/completions", json=bad, timeout=10).json()["error"]
+        assert error["param"] == "model" and repr(name) in error["message"]
+        assert str(tiny_llama_folder.parent) not in error["message"].replace(bad["model"], "")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+GRACE_S = 1.0
+MARGIN_S = 6.0  # the app's CLOSE_S, the scheduler's unwinding and the interpreter's exit
+
+
+def test_sigterm_cancels_running_requests_after_the_grace_period(
+    tiny_llama_folder, tiny_llama_draft_folder
+):
+    """Two long requests (one streamed) still running at SIGTERM: after the grace period the
+    waiting client gets a 503, the stream an error event, and the process exits."""
+    port = free_port()
+    options = ("--model-name", "tiny-pair", "--shutdown-timeout", str(GRACE_S))
+    proc = start(tiny_llama_folder, tiny_llama_draft_folder, port, *options)
+    url = f"http://127.0.0.1:{port}"
+    long = {"model": "tiny-pair", "prompt": "w1 w2", "max_tokens": 100, "ignore_eos": True}
+    long.update(method="smc", particles=16, n=8)
+    outcomes: dict[str, object] = {}
+
+    def plain() -> None:
+        r = requests.post(url + "/v1/completions", json=long, timeout=120)
+        outcomes["plain"] = (r.status_code, r.text)
+
+    def streamed() -> None:
+        body = {**long, "stream": True}
+        with requests.post(url + "/v1/completions", json=body, stream=True, timeout=120) as r:
+            lines = [line for line in r.iter_lines(decode_unicode=True) if line]
+        outcomes["stream"] = [json.loads(x.removeprefix("data: ")) for x in lines[:-1]]
+
+    try:
+        wait_ready(url, proc, timeout=120)
+        clients = [threading.Thread(target=f) for f in (plain, streamed)]
+        for t in clients:
+            t.start()
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            health = requests.get(url + "/health", timeout=10).json()
+            if health["running"] + health["queued"] == 2 * long["n"]:
+                break
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        proc.wait(timeout=GRACE_S + MARGIN_S + 30)
+        took = time.monotonic() - sent
+        for t in clients:
+            t.join(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert took < GRACE_S + MARGIN_S, f"the server took {took:.1f} s to exit"
+    status, text = outcomes["plain"]
+    assert status == 503 and "shutting down" in json.loads(text)["error"]["message"], text
+    errors = [e["error"]["message"] for e in outcomes["stream"] if "error" in e]
+    assert errors and all("shutting down" in e for e in errors), outcomes["stream"][-3:]

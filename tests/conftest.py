@@ -47,6 +47,17 @@ def save_tiny_model(folder, seed: int = 0, words=WORDS, arch: str = "qwen2") -> 
     tok.save_pretrained(folder)
 
 
+@pytest.fixture
+def one_torch_thread():
+    """Toy-model tests run thousands of decodes of tensors with a handful of entries: there a
+    second intra-op thread only adds a wake-up per operation (and, on a busy machine, a wait for
+    a free core: 6x slower measured), so they run on one and give the setting back after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-target")

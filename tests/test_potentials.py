@@ -21,6 +21,8 @@ from smcspec.models.toy import perturbed_lm, random_lm
 from smcspec.potentials import Constraint
 from tests.stats import ALPHA, chi_square_pvalue, loglog_slope, mean_l1_noise_bound, rate_bound
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # toy models (see tests/conftest.py)
+
 V = 257
 PROMPT = [ord("x") + 1]
 CFG = SamplingConfig(temperature=1.0, max_new_tokens=5)

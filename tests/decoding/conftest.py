@@ -2,6 +2,12 @@ import pytest
 
 from smcspec.models.toy import perturbed_lm, random_lm
 
+
+@pytest.fixture(autouse=True)
+def _toy_models_on_one_thread(one_torch_thread):
+    """Every test here runs toy models (see tests/conftest.py `one_torch_thread`)."""
+
+
 VOCAB = 4  # EOS = 0 and three ordinary tokens
 PROMPT = [1]
 

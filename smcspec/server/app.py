@@ -61,6 +61,8 @@ async def _gather(
 ) -> list[GenerationResult]:
     """Wait for every choice's job; cancel them all if the client goes away."""
     futures = [asyncio.wrap_future(c.job.future) for c in choices]
+    for future in futures:
+        future.add_done_callback(_retrieved)
     try:
         while True:
             _, pending = await asyncio.wait(futures, timeout=POLL_S)
@@ -72,6 +74,14 @@ async def _gather(
     finally:
         for c in choices:
             c.job.cancel()
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    """Mark a job's outcome as seen: a cancelled job's exception would otherwise be logged with
+    its traceback when the future is collected ("exception was never retrieved"), and Python
+    3.11 formats tracebacks with `ast`, which is not safe beside another thread's `ast` use."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _outcome(server: Server, future) -> GenerationResult:

@@ -308,9 +308,9 @@ def test_power_weights_at_the_wrong_draft_temperature_are_caught(pair):
 
 
 @pytest.mark.parametrize("scheme", ["systematic", "multinomial", "stratified", "residual"])
-@pytest.mark.parametrize("threshold", [0.5, 1.0])
-def test_normalizing_constant_estimate_is_unbiased(pair, law, scheme, threshold):
-    """The target is normalized, so E[Z-hat] = 1. 4 standard errors: false alarm < 1e-4."""
+def test_normalizing_constant_estimate_is_unbiased(pair, law, scheme, threshold=0.5):
+    """The target is normalized, so E[Z-hat] = 1. 4 standard errors: false alarm < 1e-4.
+    (At threshold 1 each scheme is under the stronger E[Z-hat m] = p test above.)"""
     target, draft = pair
     runs = decode_runs(SMCDecoder, target, draft, SMCConfig(4, 2, threshold, scheme), law, seed=7)
     se = runs.z_hat.std() / math.sqrt(R)

@@ -31,7 +31,9 @@ def log_probs(
         return _greedy(logits)
     scaled = logits / temperature  # [..., V]
     overflow = (scaled.isinf() & logits.isfinite()).any(dim=-1, keepdim=True)  # [..., 1]
-    if overflow.any():
+    # Asking whether any row overflowed is free on the CPU and a host sync on a GPU, where the
+    # select always runs instead.
+    if logits.device.type != "cpu" or overflow.any():
         scaled = torch.where(overflow, _greedy(logits), scaled)
     if 0 < top_k < scaled.shape[-1]:
         scaled = _keep_top_k(scaled, top_k)
@@ -81,15 +83,25 @@ def sample(logp: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     caller's dead particle) has nothing to draw; it gets its arg-max id (0 if all -inf), never V,
     which would fail the next forward pass of every request batched with it."""
     cdf = logp.double().exp().cumsum(dim=-1)  # [..., V]
-    u = torch.rand(logp.shape[:-1], generator=generator, device=logp.device, dtype=torch.float64)
+    u = uniforms(logp.shape[:-1], generator, logp.device)
     total = cdf[..., -1]
     # scaled to the row's total (~1), kept strictly below it despite rounding
     u = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
     token = torch.searchsorted(cdf, u.unsqueeze(-1), right=True).squeeze(-1)
     empty = ~(total > 0) | total.isinf()  # [...], True where NaN, 0 or inf
-    if empty.any():
+    if logp.device.type != "cpu" or empty.any():  # as in `log_probs`: no host sync
         token = torch.where(empty, logp.nan_to_num(nan=NEG_INF).argmax(dim=-1), token)
     return token
+
+
+def uniforms(
+    shape: torch.Size | tuple[int, ...], generator: torch.Generator, device: torch.device
+) -> torch.Tensor:
+    """U(0, 1) float64 draws of `shape` on `device`, from `generator` wherever it lives: a CPU
+    generator drives a GPU run with the same stream of numbers as a CPU run (so a seed means
+    the same on both), at the cost of copying a few numbers, asynchronously."""
+    u = torch.rand(shape, generator=generator, device=generator.device, dtype=torch.float64)
+    return u if u.device == device else u.to(device, non_blocking=True)
 
 
 def pick(logp: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -54,8 +54,8 @@ class AutoregressiveDecoder:
                     logp = sampling.log_probs(
                         logits, sampling_cfg.temperature, sampling_cfg.top_k, sampling_cfg.top_p
                     )
-                if guide is not None:
-                    logp, norm = guide.shaped([0], logp)
+                if guide is not None:  # potentials live on the host
+                    logp, norm = guide.shaped([0], logp.cpu())
                     if torch.isneginf(norm).all():
                         dead_end = True  # the constraint allows nothing from here
                         break

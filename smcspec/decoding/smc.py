@@ -189,8 +189,10 @@ class SMCDecoder:
             # [B, k], [B, k], [B]
             drafts, logq_x, dead = self._propose(seqs, d_cache, k, s, generator, guide, ids)
         with clock.stage("verify"):
-            feed = torch.cat([pending(seqs, t_cache), drafts], dim=1)
+            feed = torch.cat([pending(seqs, t_cache).to(drafts.device), drafts], dim=1)
             logits = self.target.forward(feed, t_cache, k + 1)  # [B, k + 1, V]
+            if guide is not None:  # potentials live on the host
+                logits = logits.cpu()
             logp = sampling.log_probs(logits, s.temperature, s.top_k, s.top_p)
             logp_x = sampling.pick(logp[:, :k], drafts)  # [B, k]
             if guide is None:
@@ -200,6 +202,8 @@ class SMCDecoder:
                 bonus, log_ratio = self._guided_bonus(
                     guide, ids, logp, logp_x, logq_x, dead, s, generator
                 )
+            # The round's one host sync: the bookkeeping below runs on the host.
+            drafts, bonus, log_ratio = drafts.cpu(), bonus.cpu(), log_ratio.cpu()
         log_w_before, g0 = pop.log_w.clone(), pop.generated
         rows_before = pop.live
         self._commit(pop, drafts, bonus, log_ratio, s)
@@ -226,28 +230,32 @@ class SMCDecoder:
         which rows hit a dead end [B]. With a guide the proposal is the shaped law
         g = q^alpha mask / norm, and the guide's states follow the drafts up to an EOS."""
         b = seqs.shape[0]
-        tokens = torch.zeros(b, k, dtype=torch.long)
-        logq_x = torch.zeros(b, k, dtype=torch.float32)
+        tokens = [torch.zeros(b, 0, dtype=torch.long)]  # each [B, 1], on the draft's device
+        logq_x = [torch.zeros(b, 0, dtype=torch.float32)]
         dead = torch.zeros(b, dtype=torch.bool)
         ended = torch.zeros(b, dtype=torch.bool)
         eos = self._eos(s)
         feed = pending(seqs, cache)
-        for i in range(k):
+        for _ in range(k):
             logits = self.draft.forward(feed, cache, 1)[:, -1]  # [B, V]
+            if guide is not None:  # potentials live on the host
+                logits = logits.cpu()
             logq = sampling.log_probs(logits, s.proposal_temperature, s.top_k, s.top_p)
             if guide is not None:
                 logg, norm = guide.shaped(ids, logq)
                 dead |= torch.isneginf(norm) & ~ended
                 logq = torch.where((ended | dead)[:, None], logq, logg)
-            x = sampling.sample(logq, generator)
-            tokens[:, i] = x
-            logq_x[:, i] = sampling.pick(logq, x)
+            x = sampling.sample(logq, generator)  # [B], stays on the device: no sync
+            tokens.append(x[:, None])
+            logq_x.append(sampling.pick(logq, x)[:, None])
             if guide is not None:
                 is_eos = torch.isin(x, eos)
                 guide.advance(ids, x, ~ended & ~dead & ~is_eos)
                 ended |= is_eos
             feed = x[:, None]
-        return tokens, logq_x, dead
+        if k > 0:  # the empty placeholders only give k = 0 its shape and device
+            tokens, logq_x = tokens[1:], logq_x[1:]
+        return torch.cat(tokens, dim=1), torch.cat(logq_x, dim=1), dead
 
     def _guided_bonus(
         self,
@@ -346,7 +354,7 @@ class SMCDecoder:
         had g0 tokens) one token drawn exactly from p, at no weight."""
         pop.collapses += 1
         pop.log_w = log_w_before
-        token = sampling.sample(logp_first, generator)  # [B]
+        token = sampling.sample(logp_first, generator).cpu()  # [B]
         pop.tokens[live, g0] = token
         pop.lengths[live] = g0 + 1
         pop.finished[live] = torch.isin(token, self._eos(s))

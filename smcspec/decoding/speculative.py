@@ -54,7 +54,7 @@ class SpeculativeDecoder:
                 with clock.stage("draft"):
                     drafts, logq = self._propose(seq, d_cache, k, s, generator)  # [k], [k, V]
                 with clock.stage("verify"):
-                    feed = torch.cat([pending(seq, t_cache), drafts[None]], dim=1)
+                    feed = torch.cat([pending(seq, t_cache).to(drafts.device), drafts[None]], 1)
                     logits = self.target.forward(feed, t_cache, k + 1)[0]  # [k + 1, V]
                     logp = sampling.log_probs(logits, s.temperature, s.top_k, s.top_p)
                 block, n_accepted, n_checked, done = self._accept(drafts, logq, logp, s, generator)
@@ -114,8 +114,12 @@ class SpeculativeDecoder:
         """Rejection step. Returns (committed tokens, #accepted drafts, #drafts checked, ended)."""
         eos = self.target.eos_token_ids
         block: list[int] = []
+        k = drafts.numel()
+        # p(x) / q(x) of every draft, brought to the host at once (one sync a round)
+        ratios = torch.exp(sampling.pick(logp[:k], drafts) - sampling.pick(logq, drafts))
+        ratios = ratios.clamp(max=1.0).cpu()  # [k]
         for i, x in enumerate(drafts.tolist()):
-            ratio = torch.exp(logp[i, x] - logq[i, x]).clamp(max=1.0)
+            ratio = ratios[i]
             u = torch.rand((), generator=generator, dtype=torch.float64)
             if u < ratio:
                 block.append(x)

@@ -91,9 +91,10 @@ class LLM:
         draft: str | None = None,
         *,
         dtype: str = "auto",
-        device: str = "cpu",
+        device: str = "auto",
         cache_dir: str | None = None,
         backend: str = "auto",
+        enforce_eager: bool = False,
     ) -> None:
         from smcspec.models import defaults, hf, loader
 
@@ -111,8 +112,9 @@ class LLM:
         # One engine for both models keeps their timings comparable; native needs both.
         self.backend = "native" if backends == {"native"} else "hf"
         self.dtype = dtype
-        target_model, target_tok = loader.load(target, self.backend, dtype, device)
-        draft_model, draft_tok = loader.load(draft, self.backend, dtype, device)
+        graphs = not enforce_eager
+        target_model, target_tok = loader.load(target, self.backend, dtype, device, graphs)
+        draft_model, draft_tok = loader.load(draft, self.backend, dtype, device, graphs)
         check_same_tokenizer(target_tok, draft_tok)
         self._setup(target_model, draft_model, target_tok)
         self.names = (_name(target, "target"), _name(draft, "draft"))

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from smcspec.models.base import CausalLM, KVCache, forward_many
+from smcspec.models.base import CausalLM, KVCache, PagedModel, forward_many
 
 
 class Cancelled(Exception):
@@ -157,8 +157,8 @@ class Scheduler:
 
     def capacity(self, index: int) -> int | None:
         """Pages in model `index`'s pool, None when it has none."""
-        pool = getattr(self.models[index], "pages", None)
-        return None if pool is None else pool.num_pages
+        model = self.models[index]
+        return model.pages.num_pages if isinstance(model, PagedModel) else None
 
     def pages_for(self, rows: Sequence[int], max_length: int) -> list[int]:
         """The most pages a job can hold with rows[m] sequences of up to `max_length` positions
@@ -166,9 +166,10 @@ class Scheduler:
         copy-on-write of a shared last page (prefix sharing only makes the need smaller)."""
         out = []
         for model, n in zip(self.models, rows, strict=True):
-            kv = getattr(model, "kv", None)
-            size = getattr(kv, "page_size", None)
-            out.append(0 if size is None or n == 0 else n * (-(-max_length // size) + 1))
+            if not isinstance(model, PagedModel) or n == 0:
+                out.append(0)
+                continue
+            out.append(n * (-(-max_length // model.page_size) + 1))
         return out
 
     def submit(self, job: Job) -> Job:

@@ -4,6 +4,10 @@ Pool layout: k, v [layers, num_pages, page_size, kv_heads, head_dim]. A sequence
 plus a length. Resampling never copies KV data: `assign` gives each particle its ancestor's table
 (taking references). Before a sequence appends into a last page that other sequences share, that
 one page is copied (copy on write), so no sequence ever sees another's tokens.
+
+The pool holds one page more than the allocator hands out: `scratch_page`, which no sequence
+owns. A batch padded to a fixed shape (a CUDA graph's) writes its padding rows' keys there.
+Page tables and lengths live on the host; the tensors live on `device`.
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ class PagedKVCache:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages)
-        shape = (layers, num_pages, page_size, kv_heads, head_dim)
+        self.scratch_page = num_pages
+        self.device = torch.device(device)
+        shape = (layers, num_pages + 1, page_size, kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.tables: dict[int, list[int]] = {}
@@ -123,9 +129,18 @@ class PagedKVCache:
             return positions
         return pages[positions // self.page_size] * self.page_size + positions % self.page_size
 
+    def block_tables(self, seqs: list[int], width: int) -> torch.Tensor:
+        """Page tables of `seqs` as a host tensor [len(seqs), width] int32, each padded with the
+        scratch page (never read: attention stops at a sequence's length)."""
+        table = torch.full((len(seqs), width), self.scratch_page, dtype=torch.int32)
+        for i, seq in enumerate(seqs):
+            pages = self.tables[seq]
+            table[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        return table
+
     def gather(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Contiguous k, v [length, kv_heads, head_dim] of one sequence."""
-        idx = self.slots(seq)
+        idx = self.slots(seq).to(self.device)
         flat_k = self.k[layer].view(-1, *self.k.shape[-2:])
         flat_v = self.v[layer].view(-1, *self.v.shape[-2:])
         return flat_k[idx], flat_v[idx]

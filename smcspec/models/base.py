@@ -13,6 +13,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from smcspec.kv.pages import PageAllocator
+
 
 @runtime_checkable
 class KVCache(Protocol):
@@ -43,6 +45,7 @@ class KVCache(Protocol):
 class CausalLM(Protocol):
     vocab_size: int
     eos_token_ids: frozenset[int]
+    context_length: int | None  # the longest sequence it takes, None when unknown
 
     def new_cache(self) -> KVCache:
         """An empty cache; it takes the batch size of its first forward."""
@@ -54,12 +57,27 @@ class CausalLM(Protocol):
         ...
 
 
+@runtime_checkable
+class PagedModel(CausalLM, Protocol):
+    """A `CausalLM` whose caches draw pages from one shared pool (the native engine): the
+    scheduler budgets admissions in its pages and batches requests through `forward_many`."""
+
+    pages: PageAllocator  # the shared pool's allocator
+    page_size: int  # positions per page
+    context_length: int  # the longest sequence the model takes
+    device: torch.device  # where its logits live
+
+    def forward_many(self, calls: list[tuple[torch.Tensor, KVCache, int]]) -> list[torch.Tensor]:
+        """`forward` for each (tokens [B_c, T_c], cache, num_logits_c) in one pass over the
+        weights: [B_c, num_logits_c, V] each."""
+        ...
+
+
 def forward_many(
     model: CausalLM, calls: list[tuple[torch.Tensor, KVCache, int]]
 ) -> list[torch.Tensor]:
-    """`model.forward` for each (tokens, cache, num_logits): in one batched pass when the model
-    has `forward_many` (the native engine), else one call after another."""
-    batched = getattr(model, "forward_many", None)
-    if batched is not None:
-        return batched(calls)
+    """`model.forward` for each (tokens, cache, num_logits): in one batched pass for a
+    `PagedModel`, else one call after another."""
+    if isinstance(model, PagedModel):
+        return model.forward_many(calls)
     return [model.forward(tokens, cache, n) for tokens, cache, n in calls]

@@ -86,9 +86,12 @@ class Int8Linear:
 
 
 def make_linear(
-    weight: torch.Tensor, bias: torch.Tensor | None, dtype: str
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    dtype: str,
+    device: str | torch.device = "cpu",
 ) -> DenseLinear | Int8Linear:
     if dtype == "int8":
         return Int8Linear(weight, bias)
-    torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
-    return DenseLinear(weight.to(torch_dtype), None if bias is None else bias.to(torch_dtype))
+    dt = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    return DenseLinear(weight.to(device, dt), None if bias is None else bias.to(device, dt))

@@ -3,7 +3,9 @@
 RMSNorm, rotary position embeddings (with the scalings of `rope`), grouped-query attention,
 SwiGLU, optional q/k/v bias (Qwen2). Q, K and V are one fused projection, gate and up another.
 A forward takes a ragged batch: each sequence appends its own number of tokens at its own
-position.
+position. The model runs on any device (`device`); attention over the paged cache is pluggable
+(`attention`), the decoders' view of the model is `native.NativeCausalLM`, and CUDA graphs of
+its fixed-shape steps are `graphs.GraphRunner`.
 
 Reference: this module is tested against `transformers` on the same weights.
 """
@@ -19,6 +21,8 @@ import torch.nn.functional as F
 
 from smcspec.kv.cache import PagedKVCache
 from smcspec.models import rope
+from smcspec.models.attention import ForwardBatch, GatherAttention, GatherPlan
+from smcspec.models.attention import choose as choose_attention
 from smcspec.models.layers import DenseLinear, Int8Linear, make_linear
 
 Linear = DenseLinear | Int8Linear
@@ -85,7 +89,11 @@ class Layer:
 
 class LlamaModel:
     """Weights in `dtype`: "float32", "bfloat16" or "int8" (weights only: activations, norms,
-    embeddings and the KV cache stay float32; see `layers.Int8Linear`).
+    embeddings and the KV cache stay float32; see `layers.Int8Linear`), on `device`.
+
+    Every tensor of a forward is made on the model's device: the host plans the batch (page
+    tables, slots, positions: `plan`) and moves it in a few copies; `hidden` and `logits` then
+    run on the device alone, which is what lets `graphs.GraphRunner` capture them.
 
     With int8 weights, position 0 is computed apart, its activations split into magnitude bands:
     the first token of a sequence (the attention sink) carries activations hundreds of times
@@ -95,20 +103,33 @@ class LlamaModel:
     """
 
     def __init__(
-        self, config: LlamaConfig, weights: dict[str, torch.Tensor], dtype: str = "float32"
+        self,
+        config: LlamaConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: str = "float32",
+        device: str | torch.device = "cpu",
+        attention: str = "auto",
     ) -> None:
         self.config = config
         self.dtype = dtype
+        self.device = torch.device(device)
+        if dtype == "int8" and self.device.type != "cpu":
+            raise ValueError("int8 weights run on the CPU only (fbgemm); use bfloat16 on CUDA")
+        self.attention = choose_attention(attention, self.device)
         w = weights
         self.act_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
-        self.embed = w["model.embed_tokens.weight"].to(self.act_dtype)
-        self.norm = w["model.norm.weight"].to(self.act_dtype)
+        self.embed = self._tensor(w["model.embed_tokens.weight"])
+        self.norm = self._tensor(w["model.norm.weight"])
         head = w["model.embed_tokens.weight"] if config.tie_embeddings else w.pop("lm_head.weight")
-        self.lm_head = make_linear(head, None, dtype)
+        self.lm_head = make_linear(head, None, dtype, self.device)
         self.layers = []
         for i in range(config.num_layers):
             self.layers.append(self._layer(w, f"model.layers.{i}."))
+        self.rope = RopeTable(config.rope, self.act_dtype, self.device)
         self._sinks: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def _tensor(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device, self.act_dtype)
 
     def _layer(self, w: dict[str, torch.Tensor], p: str) -> Layer:
         """Build layer `p`, taking its weights out of `w` so that float copies are freed as the
@@ -123,18 +144,20 @@ class LlamaModel:
             [w.pop(a + "q_proj.weight"), w.pop(a + "k_proj.weight"), w.pop(a + "v_proj.weight")]
         )
         gate_up = torch.cat([w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")])
-        dt = self.dtype
+        dt, dev = self.dtype, self.device
         return Layer(
-            input_norm=w.pop(p + "input_layernorm.weight").to(self.act_dtype),
-            qkv=make_linear(qkv, bias, dt),
-            o=make_linear(w.pop(a + "o_proj.weight"), None, dt),
-            post_norm=w.pop(p + "post_attention_layernorm.weight").to(self.act_dtype),
-            gate_up=make_linear(gate_up, None, dt),
-            down=make_linear(w.pop(p + "mlp.down_proj.weight"), None, dt),
+            input_norm=self._tensor(w.pop(p + "input_layernorm.weight")),
+            qkv=make_linear(qkv, bias, dt, dev),
+            o=make_linear(w.pop(a + "o_proj.weight"), None, dt, dev),
+            post_norm=self._tensor(w.pop(p + "post_attention_layernorm.weight")),
+            gate_up=make_linear(gate_up, None, dt, dev),
+            down=make_linear(w.pop(p + "mlp.down_proj.weight"), None, dt, dev),
         )
 
     @classmethod
-    def from_folder(cls, folder: str | Path, dtype: str = "float32") -> LlamaModel:
+    def from_folder(
+        cls, folder: str | Path, dtype: str = "float32", device: str = "cpu", **kw
+    ) -> LlamaModel:
         """Load a Hugging Face safetensors folder (config.json + *.safetensors)."""
         from safetensors.torch import load_file
 
@@ -143,21 +166,33 @@ class LlamaModel:
         weights: dict[str, torch.Tensor] = {}
         for f in sorted(folder.glob("*.safetensors")):
             weights.update(load_file(str(f)))
-        return cls(config, weights, dtype)
+        return cls(config, weights, dtype, device, **kw)
 
     @classmethod
-    def from_gguf(cls, path: str | Path, dtype: str = "float32") -> LlamaModel:
+    def from_gguf(
+        cls, path: str | Path, dtype: str = "float32", device: str = "cpu", **kw
+    ) -> LlamaModel:
         """Load and de-quantize a GGUF file (llama, qwen2, mistral)."""
         from smcspec.models import gguf_loader
 
         config = LlamaConfig.read(path)
-        return cls(config, gguf_loader.weights(path, torch.float32), dtype)
+        return cls(config, gguf_loader.weights(path, torch.float32), dtype, device, **kw)
+
+    @classmethod
+    def random(
+        cls, config: LlamaConfig, dtype: str = "float32", device: str = "cpu", seed: int = 0,
+        **kw,
+    ) -> LlamaModel:  # fmt: skip
+        """Random weights of `config`'s shapes, made on `device` (N(0, 0.02) as transformers
+        initialises them, norms 1): speed per round does not depend on the weights."""
+        return cls(config, random_weights(config, device, seed), dtype, device, **kw)
 
     def new_kv(self, num_pages: int, page_size: int = 16) -> PagedKVCache:
         c = self.config
         return PagedKVCache(
-            c.num_layers, c.num_kv_heads, c.head_dim, page_size, num_pages, self.act_dtype
-        )
+            c.num_layers, c.num_kv_heads, c.head_dim, page_size, num_pages, self.act_dtype,
+            self.device,
+        )  # fmt: skip
 
     @torch.inference_mode()
     def forward(
@@ -167,13 +202,13 @@ class LlamaModel:
         `num_logits` new positions of every sequence: [B, num_logits, V]. Ragged batch: a sequence
         given fewer than `num_logits` tokens gets zero logits in the leading rows it lacks."""
         rows = self.forward_ragged(kv, seqs, tokens, [num_logits] * len(seqs))
-        return _stack_padded(rows, num_logits)
+        return stack_padded(rows, num_logits)
 
     @torch.inference_mode()
     def forward_ragged(
         self, kv: PagedKVCache, seqs: list[int], tokens: list[torch.Tensor], num_logits: list[int]
     ) -> list[torch.Tensor]:
-        """As `forward`, with a logits count per sequence: the logits of the last
+        """As `forward`, with a logits count per sequence: the float32 logits of the last
         min(len(tokens[b]), num_logits[b]) new positions of sequence b, list of [n_b, V]. One
         pass over the weights serves every sequence (continuous batching mixes requests)."""
         tokens = list(tokens)
@@ -184,49 +219,64 @@ class LlamaModel:
                     sinks[b] = self._write_sink(kv, seq, int(tokens[b][0]))
                     tokens[b] = tokens[b][1:]
         live = [b for b in range(len(seqs)) if tokens[b].numel() > 0]
-        hidden = self._hidden(
-            [seqs[b] for b in live], [tokens[b] for b in live], kv, [num_logits[b] for b in live]
-        )
         by_row = {}
-        if hidden:
-            logits = self.lm_head(torch.cat(hidden)).float()  # [rows kept, V]
-            by_row = dict(zip(live, logits.split([h.shape[0] for h in hidden]), strict=True))
+        if live:
+            counts = [int(tokens[b].numel()) for b in live]
+            wants = [min(n, num_logits[b]) for n, b in zip(counts, live, strict=True)]
+            batch = self.plan(kv, [seqs[b] for b in live], counts)
+            flat = torch.cat([tokens[b] for b in live]).to(self.device, non_blocking=True)
+            x = self.hidden(flat, batch, kv)  # [total, H]
+            keep = _last_rows(counts, wants)
+            logits = self.logits(x[_to(keep, self.device)]).float()  # [rows kept, V]
+            by_row = dict(zip(live, logits.split(wants), strict=True))
         rows = []
+        empty = torch.zeros(0, self.config.vocab_size, device=self.device)
         for b in range(len(seqs)):
-            row = by_row.get(b, torch.zeros(0, self.config.vocab_size))  # [n_b, V]
+            row = by_row.get(b, empty)  # [n_b, V]
             if row.shape[0] < num_logits[b] and b in sinks:
                 row = torch.cat([sinks[b][None], row])
             rows.append(row)
         return rows
 
-    def _hidden(
-        self, seqs: list[int], tokens: list[torch.Tensor], kv: PagedKVCache, num_logits: list[int]
-    ) -> list[torch.Tensor]:
-        """Run the layers over a ragged batch; the final-normed hidden states of the last
-        min(len(tokens[b]), num_logits[b]) positions of each sequence: list of [n_b, H]."""
-        if not seqs:
-            return []
-        c = self.config
-        counts = [int(t.numel()) for t in tokens]
+    def plan(self, kv: PagedKVCache, seqs: list[int], counts: list[int]) -> ForwardBatch:
+        """Reserve counts[b] new positions of each sequence (host page tables) and build what the
+        layers need, on the device: slots, positions and the attention's own indices."""
         starts = [kv.lengths[s] for s in seqs]
         slots = torch.cat([kv.reserve(s, n) for s, n in zip(seqs, counts, strict=True)])
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, counts, strict=True)])
-        x = F.embedding(torch.cat(tokens), self.embed)  # [total, H]
-        cos, sin = self._rope(positions)  # [total, D]
-        batch = _AttentionBatch.build(kv, seqs, starts, counts)
+        ends = [s + n for s, n in zip(starts, counts, strict=True)]
+        positions = torch.cat([torch.arange(s, e) for s, e in zip(starts, ends, strict=True)])
+        self.rope.ensure(max(ends))
+        dev = self.device
+        batch = ForwardBatch(slots=_to(slots, dev), positions=_to(positions, dev))
+        if self.attention.paged:
+            width = max(len(kv.tables[s]) for s in seqs)
+            batch.block_tables = _to(kv.block_tables(seqs, width), dev)
+            rows = torch.arange(len(seqs), dtype=torch.int32)
+            batch.seq_index = _to(rows.repeat_interleave(torch.tensor(counts)), dev)
+        else:
+            p = GatherAttention.plan(kv, seqs, starts, counts)
+            batch.gather = GatherPlan(
+                _to(p.key_slots, dev), _opt(p.query_index, dev), _opt(p.query_valid, dev),
+                _opt(p.mask, dev), p.tmax,
+            )  # fmt: skip
+        return batch
+
+    def hidden(self, tokens: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
+        """The layers over flat new tokens [total] (on the device): hidden states [total, H]
+        before the final norm. No host sync, no host tensor."""
+        eps = self.config.rms_eps
+        x = F.embedding(tokens, self.embed)  # [total, H]
+        cos, sin = self.rope(batch.positions)  # [total, D]
         for i, layer in enumerate(self.layers):
-            x = x + self._attention(
-                layer, i, _rms(x, layer.input_norm, c.rms_eps), cos, sin, slots, kv, batch
-            )
-            h = _rms(x, layer.post_norm, c.rms_eps)
+            x = x + self._attention(layer, i, _rms(x, layer.input_norm, eps), cos, sin, kv, batch)
+            h = _rms(x, layer.post_norm, eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
-        ends = torch.tensor(counts).cumsum(0).tolist()
-        keep = [
-            torch.arange(e - min(n, m), e) for e, n, m in zip(ends, counts, num_logits, strict=True)
-        ]
-        x = _rms(x[torch.cat(keep)], self.norm, c.rms_eps)
-        return list(x.split([k.numel() for k in keep]))
+        return x
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Next-token logits [n, V] (in the weights' float type) of hidden states x [n, H]."""
+        return self.lm_head(_rms(x, self.norm, self.config.rms_eps))
 
     def _write_sink(self, kv: PagedKVCache, seq: int, token: int) -> torch.Tensor:
         """Store position 0 of `seq` (token id `token`); return its next-token logits [V]."""
@@ -247,7 +297,8 @@ class LlamaModel:
         c = self.config
         d, nh, nkv = c.head_dim, c.num_heads, c.num_kv_heads
         x = self.embed[token][None]  # [1, H]
-        cos, sin = self._rope(torch.zeros(1, dtype=torch.long))  # identity, times yarn's factor
+        self.rope.ensure(1)
+        cos, sin = self.rope(torch.zeros(1, dtype=torch.long))  # identity, times yarn's factor
         keys, values = [], []
         for layer in self.layers:
             qkv = layer.qkv.banded(_rms(x, layer.input_norm, c.rms_eps))
@@ -262,13 +313,6 @@ class LlamaModel:
         logits = self.lm_head.banded(_rms(x, self.norm, c.rms_eps))[0].float()
         return torch.stack(keys), torch.stack(values), logits
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [total, D] of positions [total], both scaled by the rope's attention factor."""
-        angles = rope.angles(self.config.rope, positions)  # [total, D/2]
-        angles = torch.cat([angles, angles], dim=-1)
-        scale = self.config.rope.attention_factor
-        return (angles.cos() * scale).to(self.act_dtype), (angles.sin() * scale).to(self.act_dtype)
-
     def _attention(
         self,
         layer: Layer,
@@ -276,78 +320,93 @@ class LlamaModel:
         h: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        slots: torch.Tensor,
         kv: PagedKVCache,
-        batch: _AttentionBatch,
+        batch: ForwardBatch,
     ) -> torch.Tensor:
         c = self.config
         d, nh, nkv = c.head_dim, c.num_heads, c.num_kv_heads
         qkv = layer.qkv(h).view(-1, nh + 2 * nkv, d)  # [total, nh + 2 nkv, d]
         qk = _rotate(qkv[:, : nh + nkv], cos, sin)  # q and k heads rotated together
         q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]
-        kv.write(index, slots, k, v)
-        out = batch.attend(kv, index, q)  # [total, nh, d]
+        kv.write(index, batch.slots, k, v)
+        out = self.attention(q, kv, index, batch)  # [total, nh, d]
         return layer.o(out.reshape(-1, nh * d))
 
 
-@dataclass
-class _AttentionBatch:
-    """Index tensors shared by every layer of one forward: the padded key slots of each sequence,
-    the padded query rows, and the causal mask over them. When every sequence appends the same
-    number of tokens (what the decoders do) the flat rows already form a [B, T] grid and the
-    query gather is skipped; when moreover T = 1 and all lengths agree, no mask is needed."""
+class RopeTable:
+    """cos, sin [positions, D] of a RoPE, both scaled by its attention factor, kept on the
+    device and grown by doubling as longer sequences arrive. Each position's row is computed
+    from that position alone (`rope.angles`, float64), so a table lookup equals computing it
+    per call."""
 
-    key_slots: torch.Tensor  # [B, Lmax]
-    query_index: torch.Tensor | None  # [B, Tmax] rows of the flat batch (padding -> row 0)
-    query_valid: torch.Tensor | None  # [B, Tmax]
-    mask: torch.Tensor | None  # [B, 1, Tmax, Lmax] True = may attend
-    tmax: int
+    def __init__(self, config: rope.Rope, dtype: torch.dtype, device: torch.device) -> None:
+        self.config, self.dtype, self.device = config, dtype, device
+        self.cos = self.sin = torch.zeros(0, config.dim, dtype=dtype, device=device)
 
-    @classmethod
-    def build(cls, kv: PagedKVCache, seqs: list[int], starts: list[int], counts: list[int]):
-        lengths = [s + n for s, n in zip(starts, counts, strict=True)]
-        lmax, tmax, b = max(lengths), max(counts), len(seqs)
-        key_slots = torch.zeros(b, lmax, dtype=torch.long)
-        for i, seq in enumerate(seqs):
-            key_slots[i, : lengths[i]] = kv.slots(seq)
-        query_index = query_valid = mask = None
-        if min(counts) != tmax:
-            query_index = torch.zeros(b, tmax, dtype=torch.long)
-            query_valid = torch.zeros(b, tmax, dtype=torch.bool)
-            offset = 0
-            for i, n in enumerate(counts):
-                query_index[i, :n] = torch.arange(offset, offset + n)
-                query_valid[i, :n] = True
-                offset += n
-        if tmax > 1 or min(lengths) != lmax:
-            q_pos = torch.tensor(starts)[:, None] + torch.arange(tmax)[None, :]  # [B, Tmax]
-            k_pos = torch.arange(lmax)[None, None, :]
-            # Causal; a valid query never sees past its own sequence's end, and padded query
-            # rows are dropped after attention.
-            mask = (k_pos <= q_pos[:, :, None])[:, None]
-        return cls(key_slots, query_index, query_valid, mask, tmax)
+    def ensure(self, positions: int) -> None:
+        """Make rows 0 .. positions - 1 available (a CUDA graph's table is made in full before
+        capture, since growing it moves it)."""
+        if positions <= self.cos.shape[0]:
+            return
+        size = max(64, 1 << (positions - 1).bit_length())
+        angles = rope.angles(self.config, torch.arange(size))  # [size, D/2]
+        angles = torch.cat([angles, angles], dim=-1)
+        scale = self.config.attention_factor
+        self.cos = _to((angles.cos() * scale).to(self.dtype), self.device)
+        self.sin = _to((angles.sin() * scale).to(self.dtype), self.device)
 
-    def attend(self, kv: PagedKVCache, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """Scaled-dot-product attention of flat queries q [total, nh, d] over the paged keys
-        (grouped-query: nh is a multiple of the cache's kv heads)."""
-        flat_k = kv.k[layer].view(-1, *kv.k.shape[-2:])
-        flat_v = kv.v[layer].view(-1, *kv.v.shape[-2:])
-        keys = flat_k[self.key_slots].transpose(1, 2)  # [B, nkv, Lmax, d]
-        values = flat_v[self.key_slots].transpose(1, 2)
-        b = self.key_slots.shape[0]
-        if self.query_index is None:
-            queries = q.view(b, self.tmax, *q.shape[1:]).transpose(1, 2)  # [B, nh, T, d]
-        else:
-            queries = q[self.query_index].transpose(1, 2)  # [B, nh, Tmax, d]
-        out = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=self.mask, enable_gqa=True
-        ).transpose(1, 2)  # [B, Tmax, nh, d]
-        if self.query_valid is None:
-            return out.reshape(-1, *q.shape[1:])
-        return out[self.query_valid]  # [total, nh, d] in flat order
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [total, D] of positions [total] (on the table's device)."""
+        positions = positions.to(self.device)
+        return self.cos[positions], self.sin[positions]
 
 
-def _stack_padded(rows: list[torch.Tensor], num_logits: int) -> torch.Tensor:
+def random_weights(config: LlamaConfig, device: str | torch.device, seed: int = 0) -> dict:
+    """A Hugging Face-named float32 state dict of random weights with `config`'s shapes."""
+    c = config
+    g = torch.Generator(device=device).manual_seed(seed)
+    h, i, d = c.hidden_size, c.intermediate_size, c.head_dim
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, device=device) * 0.02
+
+    w = {"model.embed_tokens.weight": normal(c.vocab_size, h)}
+    w["model.norm.weight"] = torch.ones(h, device=device)
+    if not c.tie_embeddings:
+        w["lm_head.weight"] = normal(c.vocab_size, h)
+    for n in range(c.num_layers):
+        p, a = f"model.layers.{n}.", f"model.layers.{n}.self_attn."
+        heads = {"q": c.num_heads, "k": c.num_kv_heads, "v": c.num_kv_heads}
+        for name, rows in ((name, n_heads * d) for name, n_heads in heads.items()):
+            w[a + f"{name}_proj.weight"] = normal(rows, h)
+            if c.qkv_bias:
+                w[a + f"{name}_proj.bias"] = normal(rows)
+        w[a + "o_proj.weight"] = normal(h, c.num_heads * d)
+        w[p + "mlp.gate_proj.weight"] = normal(i, h)
+        w[p + "mlp.up_proj.weight"] = normal(i, h)
+        w[p + "mlp.down_proj.weight"] = normal(h, i)
+        w[p + "input_layernorm.weight"] = torch.ones(h, device=device)
+        w[p + "post_attention_layernorm.weight"] = torch.ones(h, device=device)
+    return w
+
+
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`: asynchronous (the source is staged before the call returns,
+    so the host may drop it), and free on the CPU."""
+    return t if t.device == device else t.to(device, non_blocking=True)
+
+
+def _opt(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if t is None else _to(t, device)
+
+
+def _last_rows(counts: list[int], wants: list[int]) -> torch.Tensor:
+    """Flat indices of the last wants[b] of each sequence's counts[b] new tokens."""
+    ends = torch.tensor(counts).cumsum(0).tolist()
+    return torch.cat([torch.arange(e - m, e) for e, m in zip(ends, wants, strict=True)])
+
+
+def stack_padded(rows: list[torch.Tensor], num_logits: int) -> torch.Tensor:
     """Rows [n_b, V] with n_b <= num_logits as [B, num_logits, V], zeros in the missing
     leading positions."""
     return torch.stack([F.pad(r, (0, 0, num_logits - r.shape[0], 0)) for r in rows])
@@ -365,78 +424,3 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
-class NativeCache:
-    """The decoders' `KVCache` view of a paged cache: one paged sequence per row."""
-
-    def __init__(self, kv: PagedKVCache) -> None:
-        self.kv = kv
-        self.rows: list[int] = [kv.new_sequence()]
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.rows)
-
-    @property
-    def length(self) -> int:
-        return self.kv.lengths[self.rows[0]] if self.rows else 0
-
-    def select(self, rows: torch.Tensor) -> None:
-        """Resampling by page tables: new row i shares old row rows[i]'s pages (no KV copy)."""
-        new = [self.kv.fork(self.rows[int(r)]) for r in rows]
-        for seq in self.rows:
-            self.kv.release(seq)
-        self.rows = new
-
-    def crop(self, length: int) -> None:
-        for seq in self.rows:
-            self.kv.truncate(seq, length)
-
-    def release(self) -> None:
-        for seq in self.rows:
-            self.kv.release(seq)
-        self.rows = []
-
-
-class NativeCausalLM:
-    """`CausalLM` over `LlamaModel`: each new cache draws pages from one shared pool, and
-    `forward_many` runs the calls of several caches (several requests) as one batch."""
-
-    def __init__(
-        self, model: LlamaModel, eos_token_ids: set[int], num_pages: int = 4096, page_size: int = 16
-    ) -> None:
-        self.model = model
-        self.vocab_size = model.config.vocab_size
-        self.eos_token_ids = frozenset(eos_token_ids)
-        self.context_length = model.config.max_positions
-        self.kv = model.new_kv(num_pages, page_size)
-        self.pages = self.kv.allocator
-
-    def new_cache(self) -> NativeCache:
-        return NativeCache(self.kv)
-
-    def forward(self, tokens: torch.Tensor, cache: NativeCache, num_logits: int) -> torch.Tensor:
-        return self.forward_many([(tokens, cache, num_logits)])[0]
-
-    def forward_many(
-        self, calls: list[tuple[torch.Tensor, NativeCache, int]]
-    ) -> list[torch.Tensor]:
-        """`forward` for each (tokens [B_c, T_c], cache, num_logits_c), in one pass over the
-        weights; returns each call's logits [B_c, num_logits_c, V]."""
-        seqs: list[int] = []
-        rows: list[torch.Tensor] = []
-        wants: list[int] = []
-        for tokens, cache, num_logits in calls:
-            if cache.length == 0 and tokens.shape[0] != cache.batch_size:
-                cache.select(torch.zeros(tokens.shape[0], dtype=torch.long))
-            assert tokens.shape[0] == cache.batch_size, "one row of tokens per cache row"
-            seqs += cache.rows
-            rows += list(tokens)
-            wants += [num_logits] * tokens.shape[0]
-        logits = self.model.forward_ragged(self.kv, seqs, rows, wants)
-        out, start = [], 0
-        for tokens, _, num_logits in calls:
-            out.append(_stack_padded(logits[start : start + tokens.shape[0]], num_logits))
-            start += tokens.shape[0]
-        return out

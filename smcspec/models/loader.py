@@ -1,6 +1,6 @@
 """Pick a backend and a precision for a model spec, and load (model, tokenizer).
 
-Backends: `native` (Llama / Qwen2 / Mistral on the paged KV cache, CPU), `hf` (any
+Backends: `native` (Llama / Qwen2 / Mistral on the paged KV cache, CPU or CUDA), `hf` (any
 `transformers` causal LM), `auto` (native where it applies, hf otherwise).
 
 RoPE scaling decides too. The native engine runs default, linear, llama3, dynamic and yarn
@@ -95,15 +95,14 @@ def native_refusal(spec: str) -> str | None:
 
 
 def choose_backend(spec: str, backend: str, device: str, dtype: str) -> str:
-    """`auto` takes the native engine for a local Llama-family model on the CPU whose RoPE
+    """`auto` takes the native engine for a local Llama-family model (CPU or CUDA) whose RoPE
     scaling it runs, hf otherwise (see the module docstring for a .gguf)."""
     from smcspec.models.llama import SUPPORTED
 
     check_backend(backend)
     if backend != "auto":
         return backend
-    native_ok = str(device).startswith("cpu") and dtype != "float16"
-    if not native_ok or architecture(spec) not in SUPPORTED:
+    if dtype == "float16" or architecture(spec) not in SUPPORTED:
         return "hf"
     reason = native_refusal(spec)
     if reason is not None and _hf_drops_rope(spec):
@@ -111,15 +110,18 @@ def choose_backend(spec: str, backend: str, device: str, dtype: str) -> str:
     return "native" if reason is None else "hf"
 
 
-def load(spec: str, backend: str, dtype: str, device: str) -> tuple[CausalLM, Any]:
-    """(model, tokenizer) for an already checked spec and a resolved backend and dtype."""
+def load(
+    spec: str, backend: str, dtype: str, device: str, graphs: bool = True
+) -> tuple[CausalLM, Any]:
+    """(model, tokenizer) for an already checked spec and a resolved backend and dtype;
+    `graphs`: the native engine replays CUDA graphs of its repeated steps on a GPU."""
     from smcspec.models import hf
 
     if backend == "hf":
         if _hf_drops_rope(spec):
             raise ValueError(f"{spec} scales RoPE: {_GGUF_HF_SCALING}, or use --backend native")
         return hf.load(spec, dtype, device)
-    return load_native(spec, dtype, device)
+    return load_native(spec, dtype, device, graphs)
 
 
 _GGUF_HF_SCALING = (
@@ -150,14 +152,13 @@ def load_tokenizer(spec: str) -> Any:
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def load_native(spec: str, dtype: str, device: str) -> tuple[CausalLM, Any]:
+def load_native(spec: str, dtype: str, device: str, graphs: bool = True) -> tuple[CausalLM, Any]:
     """The native Llama-family model on a paged KV cache, from a local safetensors folder or a
-    .gguf file."""
+    .gguf file, on `device` (a resolved one: cpu, cuda or cuda:<i>)."""
     from smcspec.models.hf import collect_ids
-    from smcspec.models.llama import LlamaModel, NativeCausalLM
+    from smcspec.models.llama import LlamaModel
+    from smcspec.models.native import NativeCausalLM
 
-    if not str(device).startswith("cpu"):
-        raise ValueError("the native backend runs on the CPU only for now (use --backend hf)")
     if dtype == "float16":
         raise ValueError("the native backend runs float32, bfloat16 or int8, not float16")
     path = Path(spec).expanduser()
@@ -167,11 +168,11 @@ def load_native(spec: str, dtype: str, device: str) -> tuple[CausalLM, Any]:
         raise ValueError(f"{reason}; {hint}")
     tokenizer = load_tokenizer(spec)
     if path.suffix == ".gguf":
-        model = LlamaModel.from_gguf(path, dtype)
-        return NativeCausalLM(model, {tokenizer.eos_token_id}), tokenizer
+        model = LlamaModel.from_gguf(path, dtype, device)
+        return NativeCausalLM(model, {tokenizer.eos_token_id}, graphs=graphs), tokenizer
     config = json.loads((path / "config.json").read_text())
-    model = LlamaModel.from_folder(path, dtype)
+    model = LlamaModel.from_folder(path, dtype, device)
     gen_path = path / "generation_config.json"
     gen_eos = json.loads(gen_path.read_text()).get("eos_token_id") if gen_path.exists() else None
     eos = collect_ids(gen_eos, config.get("eos_token_id"), tokenizer.eos_token_id)
-    return NativeCausalLM(model, eos), tokenizer
+    return NativeCausalLM(model, eos, graphs=graphs), tokenizer

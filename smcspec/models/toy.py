@@ -49,6 +49,7 @@ class ToyLM:
     def __init__(self, logits_fn: LogitsFn, vocab_size: int, eos_token_ids: set[int]) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.context_length: int | None = None
         self._logits_fn = logits_fn
         self._memo: dict[tuple[int, ...], torch.Tensor] = {}
         self.batch_sizes: list[int] = []  # rows of every forward call, for cost accounting

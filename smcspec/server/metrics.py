@@ -14,6 +14,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from smcspec.models.base import PagedModel
+
 THROUGHPUT_WINDOW_S = 30.0
 ROLES = ("target", "draft")
 # From GPU milliseconds to CPU minutes: a CPU run measured first tokens at 15 s and requests
@@ -152,8 +154,8 @@ class _Live:
             "smcspec:forward_seconds", "time in batched forward passes", labels=labels
         )
         for i, role in enumerate(ROLES[: len(s.models)]):
-            pool = getattr(s.models[i], "pages", None)
-            if pool is not None:
+            if isinstance(s.models[i], PagedModel):
+                pool = s.models[i].pages
                 total = pool.used_pages + pool.free_pages
                 used.add_metric([*name, role], pool.used_pages)
                 free.add_metric([*name, role], pool.free_pages)

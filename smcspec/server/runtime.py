@@ -113,7 +113,7 @@ class Server:
             (llm.target, llm.draft), defaults.max_running, defaults.max_batch_tokens
         )
         self.metrics = ServerMetrics(self.scheduler, defaults.model_name)
-        self.context_length = getattr(llm.target, "context_length", None)
+        self.context_length = llm.target.context_length
         self.created = int(time.time())
         self.draining = False  # set on shutdown: new requests get a 503
         self._jobs: set[Job] = set()

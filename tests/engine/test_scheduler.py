@@ -7,7 +7,7 @@ import torch
 
 from smcspec import LLM
 from smcspec.engine.scheduler import Cancelled, Job, Scheduler, _Call
-from smcspec.models.llama import NativeCausalLM
+from smcspec.models.native import NativeCausalLM
 
 SETTINGS = [
     dict(method="ar", seed=1, max_new_tokens=12),

@@ -123,7 +123,8 @@ def test_auto_backend_takes_native_only_where_it_applies(tiny_folder, tmp_path):
     from smcspec.models.loader import choose_backend
 
     assert choose_backend(str(tiny_folder), "auto", "cpu", "int8") == "native"
-    assert choose_backend(str(tiny_folder), "auto", "cuda", "bfloat16") == "hf"
+    assert choose_backend(str(tiny_folder), "auto", "cuda", "bfloat16") == "native"
+    assert choose_backend(str(tiny_folder), "auto", "cuda", "float16") == "hf"
     assert choose_backend(str(tiny_folder), "hf", "cpu", "int8") == "hf"
     assert choose_backend("Qwen/Qwen2.5-0.5B", "auto", "cpu", "int8") == "hf"
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')

@@ -84,7 +84,7 @@ def test_out_of_pages_is_catchable(pair):
 
 def test_decoder_view_matches_transformers_through_resampling(pair):
     from smcspec.models.hf import HFCausalLM
-    from smcspec.models.llama import NativeCausalLM
+    from smcspec.models.native import NativeCausalLM
 
     hf, native = pair
     ref = HFCausalLM(hf, {0})
@@ -230,7 +230,8 @@ def test_int8_position_zero_is_computed_apart_and_memoized(tmp_path_factory, pai
     a = int8.forward(kv_a, [kv_a.new_sequence()], [torch.tensor([7])], 1)
     b = dequantized.forward(kv_b, [kv_b.new_sequence()], [torch.tensor([7])], 1)
     plain_seq = kv_a.new_sequence()
-    plain = int8.lm_head(int8._hidden([plain_seq], [torch.tensor([7])], kv_a, [1])[0])
+    batch = int8.plan(kv_a, [plain_seq], [1])
+    plain = int8.logits(int8.hidden(torch.tensor([7]), batch, kv_a))
     assert (a - b).abs().max() < (plain - b).abs().max()  # precise bound: test_layers
     second = kv_a.new_sequence()
     c = int8.forward(kv_a, [second], [torch.tensor([7, 3, 9])], 3)

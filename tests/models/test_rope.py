@@ -402,7 +402,8 @@ def test_hf_backend_refuses_a_scaled_gguf_only(tmp_path):
     write_gguf(scaled, hf, arch="llama", extra=_gguf_extra({}, _llama3_factors(hf)))
     write_gguf(plain, hf, arch="llama", extra=_gguf_extra({}))
     assert loader.choose_backend(str(scaled), "auto", "cpu", "float32") == "native"
-    assert loader.choose_backend(str(scaled), "auto", "cuda", "bfloat16") == "hf"
+    assert loader.choose_backend(str(scaled), "auto", "cuda", "bfloat16") == "native"
+    assert loader.choose_backend(str(scaled), "auto", "cuda", "float16") == "hf"
     with pytest.raises(ValueError, match=r"scales RoPE.*--backend native"):
         loader.load(str(scaled), "hf", "bfloat16", "cuda")  # refused before any loading
     assert not loader._hf_drops_rope(str(plain))

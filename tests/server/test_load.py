@@ -86,7 +86,7 @@ def test_requests_queue_for_kv_pages_and_all_complete(tiny_llm):
     """A pool of 40 pages of 4 positions holds one smc request (N = 4) at a time: the others
     wait in the queue (seen in /health), then every one completes and the pool is idle."""
     from smcspec import LLM
-    from smcspec.models.llama import NativeCausalLM
+    from smcspec.models.native import NativeCausalLM
     from smcspec.server.app import ServeDefaults
     from tests.server.conftest import serve
 

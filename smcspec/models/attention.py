@@ -1,0 +1,155 @@
+"""Attention over the paged KV cache: one interface, several implementations.
+
+A forward pass appends a ragged batch of tokens (sequence b appends counts[b] tokens at
+positions starts[b] ..) and every new token attends causally to its own sequence's keys. What
+the layers need about that batch travels in one `ForwardBatch`, built once per forward on the
+host and copied to the model's device in a handful of transfers.
+
+- `GatherAttention` (the reference, and the CPU's fast path): gathers each sequence's keys into
+  a padded [B, Lmax] copy and runs PyTorch's scaled-dot-product attention with a causal mask.
+- `PagedAttention`: reads the page tables directly, one query token at a time
+  (`paged_attention`): the Triton kernel on CUDA, its plain-torch reference elsewhere. Its
+  inputs have shapes fixed by the batch's size alone, which is what CUDA graphs need.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from smcspec.kv.cache import PagedKVCache
+from smcspec.models import paged_attention
+
+
+@dataclass
+class GatherPlan:
+    """Index tensors of `GatherAttention`: the padded key slots of each sequence, the padded
+    query rows, and the causal mask over them. When every sequence appends the same number of
+    tokens (what the decoders do) the flat rows already form a [B, T] grid and the query gather
+    is skipped; when moreover T = 1 and all lengths agree, no mask is needed."""
+
+    key_slots: torch.Tensor  # [B, Lmax]
+    query_index: torch.Tensor | None  # [B, Tmax] rows of the flat batch (padding -> row 0)
+    query_valid: torch.Tensor | None  # [B, Tmax]
+    mask: torch.Tensor | None  # [B, 1, Tmax, Lmax] True = may attend
+    tmax: int
+
+
+@dataclass
+class ForwardBatch:
+    """What every layer of one forward needs, on the model's device. `total` new tokens."""
+
+    slots: torch.Tensor  # [total] int64 flat KV slot each new key and value is written to
+    positions: torch.Tensor  # [total] int64 absolute position of each new token
+    seq_index: torch.Tensor | None = None  # [total] int32 row of block_tables (paged only)
+    block_tables: torch.Tensor | None = None  # [B, P] int32 page ids (paged only)
+    gather: GatherPlan | None = None  # (gather only)
+
+
+class Attention(Protocol):
+    name: str
+    paged: bool  # reads block tables (else a GatherPlan)
+    graph_safe: bool  # no host sync and fixed shapes: may run inside a CUDA graph
+
+    def __call__(
+        self, q: torch.Tensor, kv: PagedKVCache, layer: int, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """Attention of new queries q [total, nh, d] over the cache (their own keys already
+        written); returns [total, nh, d]."""
+        ...
+
+
+class GatherAttention:
+    name = "gather"
+    paged = False
+    graph_safe = False
+
+    @staticmethod
+    def plan(kv: PagedKVCache, seqs: list[int], starts: list[int], counts: list[int]) -> GatherPlan:
+        """Built on the host, before the tensors move to the device."""
+        lengths = [s + n for s, n in zip(starts, counts, strict=True)]
+        lmax, tmax, b = max(lengths), max(counts), len(seqs)
+        key_slots = torch.zeros(b, lmax, dtype=torch.long)
+        for i, seq in enumerate(seqs):
+            key_slots[i, : lengths[i]] = kv.slots(seq)
+        query_index = query_valid = mask = None
+        if min(counts) != tmax:
+            query_index = torch.zeros(b, tmax, dtype=torch.long)
+            query_valid = torch.zeros(b, tmax, dtype=torch.bool)
+            offset = 0
+            for i, n in enumerate(counts):
+                query_index[i, :n] = torch.arange(offset, offset + n)
+                query_valid[i, :n] = True
+                offset += n
+        if tmax > 1 or min(lengths) != lmax:
+            q_pos = torch.tensor(starts)[:, None] + torch.arange(tmax)[None, :]  # [B, Tmax]
+            k_pos = torch.arange(lmax)[None, None, :]
+            # Causal; a valid query never sees past its own sequence's end, and padded query
+            # rows are dropped after attention.
+            mask = (k_pos <= q_pos[:, :, None])[:, None]
+        return GatherPlan(key_slots, query_index, query_valid, mask, tmax)
+
+    def __call__(
+        self, q: torch.Tensor, kv: PagedKVCache, layer: int, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """Scaled-dot-product attention (grouped-query: nh is a multiple of the kv heads)."""
+        p = batch.gather
+        assert p is not None, "GatherAttention needs a GatherPlan"
+        flat_k = kv.k[layer].view(-1, *kv.k.shape[-2:])
+        flat_v = kv.v[layer].view(-1, *kv.v.shape[-2:])
+        keys = flat_k[p.key_slots].transpose(1, 2)  # [B, nkv, Lmax, d]
+        values = flat_v[p.key_slots].transpose(1, 2)
+        b = p.key_slots.shape[0]
+        if p.query_index is None:
+            queries = q.view(b, p.tmax, *q.shape[1:]).transpose(1, 2)  # [B, nh, T, d]
+        else:
+            queries = q[p.query_index].transpose(1, 2)  # [B, nh, Tmax, d]
+        out = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=p.mask, enable_gqa=True
+        ).transpose(1, 2)  # [B, Tmax, nh, d]
+        if p.query_valid is None:
+            return out.reshape(-1, *q.shape[1:])
+        return out[p.query_valid]  # [total, nh, d] in flat order
+
+
+class PagedAttention:
+    """Reads keys through the page tables (`paged_attention`); `kernel` is "triton" or
+    "reference" (plain torch, the same function, any device)."""
+
+    paged = True
+
+    def __init__(self, kernel: str) -> None:
+        self.name = f"paged-{kernel}"
+        self.graph_safe = kernel == "triton"
+        fns = {"triton": paged_attention.triton_attention, "reference": paged_attention.reference}
+        self._fn = fns[kernel]
+
+    def __call__(
+        self, q: torch.Tensor, kv: PagedKVCache, layer: int, batch: ForwardBatch
+    ) -> torch.Tensor:
+        assert batch.block_tables is not None and batch.seq_index is not None
+        scale = q.shape[-1] ** -0.5
+        return self._fn(
+            q, kv.k[layer], kv.v[layer], batch.block_tables, batch.seq_index,
+            batch.positions, scale,
+        )  # fmt: skip
+
+
+ATTENTION = ("auto", "gather", "triton", "reference")
+
+
+def choose(name: str, device: torch.device) -> Attention:
+    """`auto`: the Triton kernel on CUDA when Triton imports, the gather path otherwise."""
+    if name not in ATTENTION:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {name!r}")
+    if name == "auto":
+        use_triton = device.type == "cuda" and paged_attention.triton_available(device)
+        name = "triton" if use_triton else "gather"
+    if name == "gather":
+        return GatherAttention()
+    if name == "triton" and not paged_attention.triton_available(device):
+        raise ValueError(f"attention triton: Triton cannot run on {device} here")
+    return PagedAttention(name)

@@ -204,8 +204,13 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--device",
-        default="cpu",
-        help="cpu, cuda, cuda:<index>, or auto (cuda when there is one, else cpu)",
+        default="auto",
+        help="auto (cuda when there is one, else cpu), cpu, cuda or cuda:<index>",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="native engine on CUDA: run every step eagerly instead of replaying CUDA graphs",
     )
     p.add_argument(
         "--backend",
@@ -279,6 +284,17 @@ def _add_bench(sub) -> None:
     eng.add_argument("--prompts", type=int, default=3, help="first P HumanEval prompts")
     eng.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per run")
     eng.add_argument("--temperature", type=float, default=0.7, help="sampling temperature")
+    gpu = _command(bsub, "gpu", "native engine on one GPU: random weights of the real shapes")
+    gpu.add_argument(
+        "--device", default="auto", help="auto (cuda; refused without one), cuda[:i], cpu"
+    )
+    gpu.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA), bfloat16 or float32")
+    gpu.add_argument("--out", default="bench-results", help="folder for gpu.jsonl and gpu.md")
+    gpu.add_argument(
+        "--smoke", action="store_true", help="tiny float32 models on the CPU (seconds)"
+    )
+    gpu.add_argument("--new-tokens", type=int, default=None, help="new tokens per end-to-end run")
+    gpu.add_argument("--reps", type=int, default=None, help="timed repetitions per forward shape")
     fid = _command(bsub, "fidelity", "KL of int8 (or bfloat16) against float32")
     fid.add_argument("--target", default=None, help="folder or .gguf (default: built-in)")
     fid.add_argument("--draft", default=None, help="folder or .gguf (default: built-in)")
@@ -424,6 +440,7 @@ def llm_from_args(args: argparse.Namespace, backend: str | None = None):
         device=args.device,
         cache_dir=args.cache_dir,
         backend=args.backend if backend is None else backend,
+        enforce_eager=args.enforce_eager,
     )
 
 

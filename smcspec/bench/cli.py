@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from smcspec.bench.contenders import build_grid, parse_ints
@@ -50,6 +51,8 @@ def run_bench(args: argparse.Namespace) -> int:
         return _fidelity(args)
     if cmd == "serve":
         return _serve(args)
+    if cmd == "gpu":
+        return _gpu(args)
     if cmd == "json":
         from smcspec.bench.constrained import run_json
         from smcspec.config import method_configs
@@ -100,6 +103,43 @@ def run_bench(args: argparse.Namespace) -> int:
     if cmd == "engine":
         return _engine(args, contenders)
     return _roofline(args, contenders)
+
+
+def _gpu(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from smcspec.bench.gpu import GpuPlan, run_all
+
+    plan = GpuPlan.smoke() if args.smoke else _gpu_plan(args.device, args.dtype)
+    for name in ("new_tokens", "reps"):
+        if getattr(args, name) is not None:
+            plan = dataclasses.replace(plan, **{name: getattr(args, name)})
+    outcome = run_all(plan, args.out)
+    print(outcome.report)
+    for line in outcome.failures:
+        print(f"smcspec: check failed: {line}", file=sys.stderr)
+    return 1 if outcome.failures else 0
+
+
+def _gpu_plan(device: str, dtype: str):
+    """The full plan on `device`; without CUDA it needs --device cpu (7B shapes on a CPU take
+    hours), and there attention is the paged reference so that graphs run `eager_capture`."""
+    import torch
+
+    from smcspec.bench.gpu import GpuPlan
+
+    if device == "auto":
+        if not torch.cuda.is_available():
+            raise ValueError("no CUDA device here: use --smoke (tiny models) or --device cpu")
+        device = "cuda"
+    if device != "cpu" and not (device == "cuda" or device.startswith("cuda:")):
+        raise ValueError(f"--device must be auto, cpu, cuda or cuda:<index>, got {device!r}")
+    cuda = device != "cpu"
+    if cuda and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: CUDA is not available here")
+    if dtype == "auto":
+        dtype = "bfloat16" if cuda else "float32"
+    return GpuPlan(device=device, dtype=dtype, attention="auto" if cuda else "reference")
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -100,10 +100,12 @@ class PagedKVCache:
             self._copy_last_page(seq)
         for _ in range(needed):
             table.append(self.allocator.allocate())
-        positions = torch.arange(length, length + n)
-        pages = torch.tensor(table)[positions // self.page_size]
+        ps = self.page_size
+        # Python ints, one tensor at the end: a decode step reserves a handful of slots, and
+        # tensor ops per slot would cost more than the step's own host work on a GPU.
+        slots = [table[p // ps] * ps + p % ps for p in range(length, length + n)]
         self.lengths[seq] = length + n
-        return pages * self.page_size + positions % self.page_size
+        return torch.tensor(slots, dtype=torch.long)
 
     def _copy_last_page(self, seq: int) -> None:
         table = self.tables[seq]
@@ -129,14 +131,13 @@ class PagedKVCache:
             return positions
         return pages[positions // self.page_size] * self.page_size + positions % self.page_size
 
-    def block_tables(self, seqs: list[int], width: int) -> torch.Tensor:
+    def block_tables(self, seqs: list[int | None], width: int) -> torch.Tensor:
         """Page tables of `seqs` as a host tensor [len(seqs), width] int32, each padded with the
-        scratch page (never read: attention stops at a sequence's length)."""
-        table = torch.full((len(seqs), width), self.scratch_page, dtype=torch.int32)
-        for i, seq in enumerate(seqs):
-            pages = self.tables[seq]
-            table[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        return table
+        scratch page (never read: attention stops at a sequence's length); None gives a row of
+        scratch pages (a padding row of a fixed-shape batch)."""
+        pad = [self.scratch_page] * width
+        rows = [(pad if seq is None else self.tables[seq] + pad)[:width] for seq in seqs]
+        return torch.tensor(rows, dtype=torch.int32).view(len(seqs), width)
 
     def gather(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Contiguous k, v [length, kv_heads, head_dim] of one sequence."""

@@ -125,25 +125,24 @@ class GraphRunner:
         return list(out.view(len(seqs), n, -1))
 
     def _load(self, static: _Static, seqs: list[int], tokens: torch.Tensor, rows: int) -> None:
-        """Reserve the new positions (host page tables) and copy the batch into the buffers;
-        padding rows write to the scratch page, at positions 0 .. t - 1."""
+        """Reserve the new positions (host page tables) and copy the batch into the buffers in
+        four transfers; padding rows write to the scratch page, at positions 0 .. t - 1. Host
+        work in Python ints: on a GPU a small step costs about as much as this."""
         b, t = tokens.shape
-        kv, ps = self.kv, self.kv.page_size
+        kv, ps, pad = self.kv, self.kv.page_size, rows - len(seqs)
         starts = [kv.lengths[s] for s in seqs]
         slots = torch.cat([kv.reserve(s, t) for s in seqs])  # [b * t]
-        pad = rows - b
-        offsets = torch.arange(t)
-        positions = torch.cat([torch.arange(s, s + t) for s in starts] + [offsets.repeat(pad)])
-        scratch = kv.scratch_page * ps + offsets % ps
-        slots = torch.cat([slots, scratch.repeat(pad)])
+        scratch = [kv.scratch_page * ps + i % ps for i in range(t)]
+        positions = [p for s in starts for p in range(s, s + t)] + list(range(t)) * pad
         width = max(len(kv.tables[s]) for s in seqs)
-        tables = torch.full((rows, width), kv.scratch_page, dtype=torch.int32)
-        tables[:b] = kv.block_tables(seqs, width)
+        tables = kv.block_tables(seqs + [None] * pad, width)  # padding rows: all scratch
         dev = static.tokens.device
         static.tokens[: b * t].copy_(tokens.reshape(-1).to(dev, non_blocking=True))
         static.tokens[b * t :].zero_()
-        static.batch.positions.copy_(positions.to(dev, non_blocking=True))
-        static.batch.slots.copy_(slots.to(dev, non_blocking=True))
+        host = torch.cat([slots, torch.tensor(scratch * pad, dtype=torch.long)])
+        static.batch.slots.copy_(host.to(dev, non_blocking=True))
+        host = torch.tensor(positions, dtype=torch.long)
+        static.batch.positions.copy_(host.to(dev, non_blocking=True))
         static.batch.block_tables[:, :width].copy_(tables.to(dev, non_blocking=True))
 
     def _graph(self, rows: int, t: int, n: int) -> _Static:

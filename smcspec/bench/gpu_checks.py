@@ -48,7 +48,7 @@ def correctness(
         hf = hf_model(pair, role, plan)
         rows += judge(cases, hf, plan, f"{pair.name} {role}")
         del hf
-    return rows + (graphs_vs_eager(pair, plan) if graphs else [])
+    return rows + (graphs_vs_eager(pair, plan) + scheduler_batch(pair, plan) if graphs else [])
 
 
 def native_cases(lm: NativeCausalLM, plan: GpuPlan, k: int = 4) -> list[Case]:
@@ -196,3 +196,34 @@ def check_triton(device: str, seed: int = 0) -> list[str]:
         if not diff <= 2e-2:  # bf16 output: a few units in the last place of values ~1
             failures.append(f"triton attention d={d} nh={nh} nkv={nkv}: max diff {diff:.2e} > 2e-2")
     return failures
+
+
+def scheduler_batch(pair: Pair, plan: GpuPlan, requests: int = 4) -> list[dict]:
+    """The continuous-batching scheduler on the engine as it runs here (graphs): smc requests
+    batched into shared passes, against each alone. Rows batched together may round
+    differently from rows alone (another matrix size), so the check asks that every request
+    completes with all its tokens and that no KV page leaks; the agreement is reported."""
+    llm = pair_llm(pair, True, plan)
+    g = torch.Generator().manual_seed(plan.seed + 3)
+    vocab = llm.target.vocab_size
+    prompts = [torch.randint(0, vocab, (8 + 3 * i,), generator=g).tolist() for i in range(requests)]
+    settings = dict(
+        particles=4, draft_tokens=4, temperature=plan.temperature,
+        max_new_tokens=plan.check_tokens, stop_at_eos=False, seed=plan.seed, chat=False,
+    )  # fmt: skip
+    together = llm.generate_batch(prompts, "smc", **settings)
+    alone = [
+        llm.generate(p, "smc", **{**settings, "seed": plan.seed + i}) for i, p in enumerate(prompts)
+    ]
+    same = sum(a.token_ids == b.token_ids for a, b in zip(alone, together, strict=True))
+    complete = all(len(r.token_ids) == plan.check_tokens for r in together)
+    leaked = llm.target.pages.used_pages + llm.draft.pages.used_pages
+    return [
+        {
+            "check": f"{pair.name} scheduler: {requests} smc requests batched "
+            f"({same}/{requests} token-identical to alone)",
+            "ok": complete and leaked == 0,
+            "failure": f"{pair.name}: scheduler batch: complete={complete}, "
+            f"{leaked} KV pages left in use",
+        }
+    ]

@@ -10,6 +10,13 @@ from pathlib import Path
 import torch
 
 
+def drain() -> None:
+    """Wait for queued GPU work before reading a clock: CUDA calls return before their kernels
+    run, so a clock read without it times the launches. A no-op without CUDA."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

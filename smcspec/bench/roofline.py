@@ -32,8 +32,10 @@ def time_forward(model, context: list[int], batch: int, new_tokens: int, reps: i
     tokens = torch.tensor([context[-new_tokens:]] * batch)
     times = []
     for _ in range(reps + 1):
+        machine.drain()
         start = time.perf_counter()
         model.forward(tokens, cache, new_tokens)
+        machine.drain()
         times.append(time.perf_counter() - start)
         cache.crop(length)
     cache.release()

@@ -95,7 +95,7 @@ class GraphRunner:
         assert model.attention.paged, "graphs need attention that reads page tables"
         self.model, self.kv, self.capture, self.buckets = model, kv, capture, buckets
         self.width = -(-context_length // kv.page_size)  # page-table columns
-        model.rope.ensure(context_length)  # the table must not move after a capture
+        model.rope.pin(self.width * kv.page_size)  # the table must not move after a capture
         self._graphs: dict[tuple[int, int, int], _Static] = {}
         self.replays = 0  # batches served by a graph (for tests and the bench)
 

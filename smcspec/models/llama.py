@@ -242,10 +242,10 @@ class LlamaModel:
         """Reserve counts[b] new positions of each sequence (host page tables) and build what the
         layers need, on the device: slots, positions and the attention's own indices."""
         starts = [kv.lengths[s] for s in seqs]
-        slots = torch.cat([kv.reserve(s, n) for s, n in zip(seqs, counts, strict=True)])
         ends = [s + n for s, n in zip(starts, counts, strict=True)]
+        self.rope.ensure(max(ends))  # first: it may refuse, and nothing is reserved yet
+        slots = torch.cat([kv.reserve(s, n) for s, n in zip(seqs, counts, strict=True)])
         positions = torch.cat([torch.arange(s, e) for s, e in zip(starts, ends, strict=True)])
-        self.rope.ensure(max(ends))
         dev = self.device
         batch = ForwardBatch(slots=_to(slots, dev), positions=_to(positions, dev))
         if self.attention.paged:
@@ -342,12 +342,22 @@ class RopeTable:
     def __init__(self, config: rope.Rope, dtype: torch.dtype, device: torch.device) -> None:
         self.config, self.dtype, self.device = config, dtype, device
         self.cos = self.sin = torch.zeros(0, config.dim, dtype=dtype, device=device)
+        self.pinned = False  # captured CUDA graphs read these very tensors: never move them
+
+    def pin(self, positions: int) -> None:
+        """Make the table cover `positions` and never move again (before a graph capture)."""
+        self.ensure(positions)
+        self.pinned = True
 
     def ensure(self, positions: int) -> None:
-        """Make rows 0 .. positions - 1 available (a CUDA graph's table is made in full before
-        capture, since growing it moves it)."""
+        """Make rows 0 .. positions - 1 available, growing the table (which moves it)."""
         if positions <= self.cos.shape[0]:
             return
+        if self.pinned:
+            raise ValueError(
+                f"position {positions - 1} is past the {self.cos.shape[0]} positions this model "
+                "was prepared for (its context length)"
+            )
         size = max(64, 1 << (positions - 1).bit_length())
         angles = rope.angles(self.config, torch.arange(size))  # [size, D/2]
         angles = torch.cat([angles, angles], dim=-1)

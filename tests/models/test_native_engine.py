@@ -151,6 +151,18 @@ def test_the_hot_path_makes_no_host_tensor_and_no_host_sync():
         int(step.sum())
 
 
+def test_graphs_pin_the_rope_table_they_read():
+    """Captured graphs read the RoPE table in place: it is made for the whole context first and
+    a longer sequence is refused (before any page is reserved) rather than moving it."""
+    lm = NativeCausalLM(model("reference"), {0}, 64, 4, capture=eager_capture)
+    table = lm.model.rope.cos
+    assert table.shape[0] >= 128
+    cache = lm.new_cache()
+    with pytest.raises(ValueError, match="context length"):
+        lm.forward(torch.zeros(1, table.shape[0] + 1, dtype=torch.long), cache, 1)
+    assert lm.model.rope.cos is table and lm.pages.used_pages == 0
+
+
 def test_the_paged_model_protocol():
     lm = NativeCausalLM(model("gather"), {0}, 16, 4)
     assert isinstance(lm, PagedModel) and lm.page_size == 4 and lm.context_length == 128

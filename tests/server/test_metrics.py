@@ -14,7 +14,11 @@ from smcspec.server.metrics import ServerMetrics
 def fake_scheduler():
     pages = SimpleNamespace(used_pages=3, free_pages=5)
     stats = SimpleNamespace(forwards=[7, 9], rows=[20, 30], seconds=[1.5, 0.5])
-    target, draft = SimpleNamespace(pages=pages), SimpleNamespace(pages=pages)
+    paged = dict(  # what `models.base.PagedModel` declares
+        pages=pages, page_size=4, context_length=64, device="cpu", vocab_size=8,
+        eos_token_ids=frozenset(), new_cache=print, forward=print, forward_many=print,
+    )  # fmt: skip
+    target, draft = SimpleNamespace(**paged), SimpleNamespace(**paged)
     return SimpleNamespace(queued=2, running=1, models=(target, draft), stats=stats)
 
 

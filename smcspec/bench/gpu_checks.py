@@ -48,7 +48,9 @@ def correctness(
         hf = hf_model(pair, role, plan)
         rows += judge(cases, hf, plan, f"{pair.name} {role}")
         del hf
-    return rows + (graphs_vs_eager(pair, plan) + scheduler_batch(pair, plan) if graphs else [])
+    if not graphs:
+        return rows
+    return rows + graphs_vs_eager(pair, plan) + scheduler_batch(pair, plan) + one_token(pair, plan)
 
 
 def native_cases(lm: NativeCausalLM, plan: GpuPlan, k: int = 4) -> list[Case]:
@@ -207,16 +209,17 @@ def scheduler_batch(pair: Pair, plan: GpuPlan, requests: int = 4) -> list[dict]:
     g = torch.Generator().manual_seed(plan.seed + 3)
     vocab = llm.target.vocab_size
     prompts = [torch.randint(0, vocab, (8 + 3 * i,), generator=g).tolist() for i in range(requests)]
+    new_tokens = plan.check_tokens // 5 * 5 + 1  # rounds of K + 1 = 5, then one of K = 0
     settings = dict(
         particles=4, draft_tokens=4, temperature=plan.temperature,
-        max_new_tokens=plan.check_tokens, stop_at_eos=False, seed=plan.seed, chat=False,
+        max_new_tokens=new_tokens, stop_at_eos=False, seed=plan.seed, chat=False,
     )  # fmt: skip
     together = llm.generate_batch(prompts, "smc", **settings)
     alone = [
         llm.generate(p, "smc", **{**settings, "seed": plan.seed + i}) for i, p in enumerate(prompts)
     ]
     same = sum(a.token_ids == b.token_ids for a, b in zip(alone, together, strict=True))
-    complete = all(len(r.token_ids) == plan.check_tokens for r in together)
+    complete = all(len(r.token_ids) == new_tokens for r in together)
     leaked = llm.target.pages.used_pages + llm.draft.pages.used_pages
     return [
         {
@@ -227,3 +230,19 @@ def scheduler_batch(pair: Pair, plan: GpuPlan, requests: int = 4) -> list[dict]:
             f"{leaked} KV pages left in use",
         }
     ]
+
+
+def one_token(pair: Pair, plan: GpuPlan) -> list[dict]:
+    """sd and smc asked for one new token: a round with no draft (K = 0), whose empty drafts
+    are made on the host while the target's logits live on the device."""
+    llm = pair_llm(pair, True, plan)
+    rows = []
+    for method in (("sd", 1, 4), ("smc", 4, 4)):
+        try:
+            n = len(generate(llm, list(range(1, 9)), method, plan, 1).token_ids)
+            failure = f"{pair.name}: {label(method)} gave {n} tokens for 1"
+        except Exception as err:  # the check's point: report it, and go on
+            n, failure = 0, f"{pair.name}: {label(method)} with one new token raised {err!r}"
+        check = f"{pair.name} {label(method)}: one new token"
+        rows.append({"check": check, "ok": n == 1, "failure": failure})
+    return rows

@@ -194,6 +194,8 @@ class SMCDecoder:
             if guide is not None:  # potentials live on the host
                 logits = logits.cpu()
             logp = sampling.log_probs(logits, s.temperature, s.top_k, s.top_p)
+            # no-ops but for k = 0, whose empty drafts never met the device
+            drafts, logq_x = drafts.to(logp.device), logq_x.to(logp.device)
             logp_x = sampling.pick(logp[:, :k], drafts)  # [B, k]
             if guide is None:
                 bonus = sampling.sample(logp[:, k], generator)  # [B], exact: no weight

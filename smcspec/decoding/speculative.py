@@ -116,8 +116,10 @@ class SpeculativeDecoder:
         block: list[int] = []
         k = drafts.numel()
         # p(x) / q(x) of every draft, brought to the host at once (one sync a round)
-        ratios = torch.exp(sampling.pick(logp[:k], drafts) - sampling.pick(logq, drafts))
-        ratios = ratios.clamp(max=1.0).cpu()  # [k]
+        ratios = torch.zeros(0)
+        if k > 0:  # (with k = 0 the empty drafts never met the device)
+            ratios = torch.exp(sampling.pick(logp[:k], drafts) - sampling.pick(logq, drafts))
+            ratios = ratios.clamp(max=1.0).cpu()  # [k]
         for i, x in enumerate(drafts.tolist()):
             ratio = ratios[i]
             u = torch.rand((), generator=generator, dtype=torch.float64)

@@ -293,6 +293,10 @@ class Scheduler:
             raise ValueError(f"tokens must be integer ids, got {tokens.dtype}")
         if not 1 <= call.num_logits <= tokens.shape[1]:
             raise ValueError(f"num_logits must be in [1, {tokens.shape[1]}], got {call.num_logits}")
+        if tokens.device.type != "cpu":
+            # Ids made on the device are the engine's own samples, in [0, V) by construction
+            # (`sampling.sample`); reading them back would wait for the device every draft step.
+            return
         low, high = int(tokens.min()), int(tokens.max())
         if low < 0 or high >= vocab:
             bad = low if low < 0 else high

@@ -33,7 +33,7 @@ class GatherPlan:
 
     key_slots: torch.Tensor  # [B, Lmax]
     query_index: torch.Tensor | None  # [B, Tmax] rows of the flat batch (padding -> row 0)
-    query_valid: torch.Tensor | None  # [B, Tmax]
+    query_rows: torch.Tensor | None  # [total] valid rows of the padded [B * Tmax] output
     mask: torch.Tensor | None  # [B, 1, Tmax, Lmax] True = may attend
     tmax: int
 
@@ -75,22 +75,24 @@ class GatherAttention:
         key_slots = torch.zeros(b, lmax, dtype=torch.long)
         for i, seq in enumerate(seqs):
             key_slots[i, : lengths[i]] = kv.slots(seq)
-        query_index = query_valid = mask = None
+        query_index = query_rows = mask = None
         if min(counts) != tmax:
             query_index = torch.zeros(b, tmax, dtype=torch.long)
-            query_valid = torch.zeros(b, tmax, dtype=torch.bool)
             offset = 0
             for i, n in enumerate(counts):
                 query_index[i, :n] = torch.arange(offset, offset + n)
-                query_valid[i, :n] = True
                 offset += n
+            # indices, not a boolean mask: a mask's gather waits for the device to count it
+            query_rows = torch.cat(
+                [torch.arange(i * tmax, i * tmax + n) for i, n in enumerate(counts)]
+            )
         if tmax > 1 or min(lengths) != lmax:
             q_pos = torch.tensor(starts)[:, None] + torch.arange(tmax)[None, :]  # [B, Tmax]
             k_pos = torch.arange(lmax)[None, None, :]
             # Causal; a valid query never sees past its own sequence's end, and padded query
             # rows are dropped after attention.
             mask = (k_pos <= q_pos[:, :, None])[:, None]
-        return GatherPlan(key_slots, query_index, query_valid, mask, tmax)
+        return GatherPlan(key_slots, query_index, query_rows, mask, tmax)
 
     def __call__(
         self, q: torch.Tensor, kv: PagedKVCache, layer: int, batch: ForwardBatch
@@ -110,9 +112,8 @@ class GatherAttention:
         out = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=p.mask, enable_gqa=True
         ).transpose(1, 2)  # [B, Tmax, nh, d]
-        if p.query_valid is None:
-            return out.reshape(-1, *q.shape[1:])
-        return out[p.query_valid]  # [total, nh, d] in flat order
+        out = out.reshape(-1, *q.shape[1:])  # [B * Tmax, nh, d]
+        return out if p.query_rows is None else out[p.query_rows]  # [total, nh, d] flat order
 
 
 class PagedAttention:

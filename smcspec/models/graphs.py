@@ -117,7 +117,9 @@ class GraphRunner:
         if max(ends) > self.width * self.kv.page_size:
             return None
         static = self._graph(bucket, t, n)
-        self._load(static, seqs, torch.stack(tokens), bucket)
+        dev = static.tokens.device  # rows from the host and the device may meet here
+        rows = torch.stack([x.to(dev, non_blocking=True) for x in tokens])  # [b, t]
+        self._load(static, seqs, rows, bucket)
         logits = static.replay()  # [bucket * n, V], in the graph's pool
         self.replays += 1
         # A copy: the pool's memory is the next replay's
@@ -137,7 +139,7 @@ class GraphRunner:
         width = max(len(kv.tables[s]) for s in seqs)
         tables = kv.block_tables(seqs + [None] * pad, width)  # padding rows: all scratch
         dev = static.tokens.device
-        static.tokens[: b * t].copy_(tokens.reshape(-1).to(dev, non_blocking=True))
+        static.tokens[: b * t].copy_(tokens.reshape(-1))
         static.tokens[b * t :].zero_()
         host = torch.cat([slots, torch.tensor(scratch * pad, dtype=torch.long)])
         static.batch.slots.copy_(host.to(dev, non_blocking=True))

@@ -224,7 +224,9 @@ class LlamaModel:
             counts = [int(tokens[b].numel()) for b in live]
             wants = [min(n, num_logits[b]) for n, b in zip(counts, live, strict=True)]
             batch = self.plan(kv, [seqs[b] for b in live], counts)
-            flat = torch.cat([tokens[b] for b in live]).to(self.device, non_blocking=True)
+            # Rows may come from the host (a prompt) and the device (sampled drafts) at once,
+            # when the scheduler batches several requests.
+            flat = torch.cat([_to(tokens[b], self.device) for b in live])  # [total]
             x = self.hidden(flat, batch, kv)  # [total, H]
             keep = _last_rows(counts, wants)
             logits = self.logits(x[_to(keep, self.device)]).float()  # [rows kept, V]
@@ -256,7 +258,7 @@ class LlamaModel:
         else:
             p = GatherAttention.plan(kv, seqs, starts, counts)
             batch.gather = GatherPlan(
-                _to(p.key_slots, dev), _opt(p.query_index, dev), _opt(p.query_valid, dev),
+                _to(p.key_slots, dev), _opt(p.query_index, dev), _opt(p.query_rows, dev),
                 _opt(p.mask, dev), p.tmax,
             )  # fmt: skip
         return batch

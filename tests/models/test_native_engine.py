@@ -147,6 +147,11 @@ def test_the_hot_path_makes_no_host_tensor_and_no_host_sync():
     step = lm.forward(torch.tensor([[4, 5], [6, 7]]), cache, 2)
     assert out.device.type == step.device.type == "meta"
     assert out.shape == (1, 2, 64) and step.shape == (2, 2, 64)
+    # the scheduler batches a request's sampled tokens (on the device) with another's prompt
+    fresh = lm.new_cache()
+    sampled = torch.tensor([[8], [9]], device="meta")
+    both = lm.forward_many([(sampled, cache, 1), (torch.tensor([[1, 2, 3]]), fresh, 1)])
+    assert [x.shape for x in both] == [(2, 1, 64), (1, 1, 64)]
     with pytest.raises(RuntimeError):  # the test has teeth: a read-back fails there
         int(step.sum())
 

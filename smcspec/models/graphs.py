@@ -28,6 +28,9 @@ from smcspec.models.llama import LlamaModel
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 MAX_TOKENS_PER_ROW = 16  # a verify of K + 1 <= 16; longer uniform feeds are prefills
+# Each graph keeps its logits [rows * t, V] alive (152k-word vocabularies: 0.3 GB in bf16 at
+# 1024 rows); bigger batches are wide enough to be compute-bound, where graphs gain little.
+MAX_GRAPH_TOKENS = 1024
 
 Replay = Callable[[], torch.Tensor]
 Capture = Callable[[Callable[[], torch.Tensor]], Replay]
@@ -112,6 +115,8 @@ class GraphRunner:
         bucket = self.bucket(len(seqs))
         uniform = all(x.numel() == t for x in tokens) and all(m == n for m in num_logits)
         if not uniform or bucket is None or not _decode_like(t, n):
+            return None
+        if bucket * t > MAX_GRAPH_TOKENS:
             return None
         ends = [self.kv.lengths[s] + t for s in seqs]
         if max(ends) > self.width * self.kv.page_size:

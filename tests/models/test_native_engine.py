@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from smcspec.engine import LLM
-from smcspec.models import paged_attention
+from smcspec.models import graphs, paged_attention
 from smcspec.models.base import PagedModel
 from smcspec.models.graphs import GraphRunner, eager_capture
 from smcspec.models.llama import LlamaConfig, LlamaModel, random_weights
@@ -94,12 +94,15 @@ def test_padding_rows_that_wrote_to_a_live_page_would_be_caught(monkeypatch):
     assert max((a - b).abs().max() for a, b in zip(got, expected, strict=True)) > 1e-3
 
 
-def test_the_runner_leaves_ragged_too_wide_and_too_long_batches_to_the_eager_path():
+def test_the_runner_leaves_ragged_too_wide_and_too_long_batches_to_the_eager_path(monkeypatch):
     lm = NativeCausalLM(model("reference"), {0}, 64, 4, graphs=False)
     runner = GraphRunner(lm.model, lm.kv, context_length=16, capture=eager_capture, buckets=(1, 2))
     seqs = [lm.kv.new_sequence() for _ in range(3)]
     one = [torch.tensor([5])] * 3
     assert runner.run(seqs, one, [1, 1, 1]) is None  # 3 rows: no bucket
+    monkeypatch.setattr(graphs, "MAX_GRAPH_TOKENS", 3)
+    assert runner.run(seqs[:2], [torch.tensor([5, 6])] * 2, [2, 2]) is None  # 4 tokens > 3
+    monkeypatch.undo()
     assert runner.run(seqs[:2], [torch.tensor([5]), torch.tensor([5, 6])], [1, 1]) is None
     assert runner.run(seqs[:2], [torch.tensor(range(17))] * 2, [17, 17]) is None  # > 16 tokens
     assert runner.run(seqs[:2], [torch.tensor(range(5))] * 2, [1, 1]) is None  # a prefill

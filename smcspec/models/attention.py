@@ -47,6 +47,7 @@ class ForwardBatch:
     seq_index: torch.Tensor | None = None  # [total] int32 row of block_tables (paged only)
     block_tables: torch.Tensor | None = None  # [B, P] int32 page ids (paged only)
     gather: GatherPlan | None = None  # (gather only)
+    attention: Attention | None = None  # the implementation for this batch (None: the model's)
 
 
 class Attention(Protocol):
@@ -140,6 +141,10 @@ class PagedAttention:
 
 
 ATTENTION = ("auto", "gather", "triton", "reference")
+# Feeds longer than this (prefills) take the gather path even where the paged one is the
+# default: SDPA's tiled kernels read each key once per block of queries, the paged kernel once
+# per query. Decoders' steps (a verify of K + 1 <= 16) stay paged, as CUDA graphs need.
+PAGED_MAX_TOKENS = 16
 
 
 def choose(name: str, device: torch.device) -> Attention:

@@ -21,7 +21,12 @@ import torch.nn.functional as F
 
 from smcspec.kv.cache import PagedKVCache
 from smcspec.models import rope
-from smcspec.models.attention import ForwardBatch, GatherAttention, GatherPlan
+from smcspec.models.attention import (
+    PAGED_MAX_TOKENS,
+    ForwardBatch,
+    GatherAttention,
+    GatherPlan,
+)
 from smcspec.models.attention import choose as choose_attention
 from smcspec.models.layers import DenseLinear, Int8Linear, make_linear
 
@@ -116,6 +121,7 @@ class LlamaModel:
         if dtype == "int8" and self.device.type != "cpu":
             raise ValueError("int8 weights run on the CPU only (fbgemm); use bfloat16 on CUDA")
         self.attention = choose_attention(attention, self.device)
+        self._gather = GatherAttention()
         w = weights
         self.act_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
         self.embed = self._tensor(w["model.embed_tokens.weight"])
@@ -249,8 +255,11 @@ class LlamaModel:
         slots = torch.cat([kv.reserve(s, n) for s, n in zip(seqs, counts, strict=True)])
         positions = torch.cat([torch.arange(s, e) for s, e in zip(starts, ends, strict=True)])
         dev = self.device
-        batch = ForwardBatch(slots=_to(slots, dev), positions=_to(positions, dev))
-        if self.attention.paged:
+        attention = self.attention
+        if attention.paged and max(counts) > PAGED_MAX_TOKENS:
+            attention = self._gather  # a prefill
+        batch = ForwardBatch(_to(slots, dev), _to(positions, dev), attention=attention)
+        if attention.paged:
             width = max(len(kv.tables[s]) for s in seqs)
             batch.block_tables = _to(kv.block_tables(seqs, width), dev)
             rows = torch.arange(len(seqs), dtype=torch.int32)
@@ -331,7 +340,7 @@ class LlamaModel:
         qk = _rotate(qkv[:, : nh + nkv], cos, sin)  # q and k heads rotated together
         q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]
         kv.write(index, batch.slots, k, v)
-        out = self.attention(q, kv, index, batch)  # [total, nh, d]
+        out = (batch.attention or self.attention)(q, kv, index, batch)  # [total, nh, d]
         return layer.o(out.reshape(-1, nh * d))
 
 

@@ -46,7 +46,8 @@ def script(lm: NativeCausalLM) -> list[torch.Tensor]:
     4 tokens a row, resampling (rows repeated), rollback; then the cache is released."""
     g = torch.Generator().manual_seed(0)
     cache = lm.new_cache()
-    out = [lm.forward(torch.randint(0, 64, (1, 9), generator=g), cache, 1)]
+    out = [lm.forward(torch.randint(0, 64, (1, 20), generator=g), cache, 1)]  # prefill: gather
+    out.append(lm.forward(torch.randint(0, 64, (1, 9), generator=g), cache, 9))
     cache.select(torch.tensor([0, 0, 0]))
     for t in (1, 1, 4, 1):
         out.append(lm.forward(torch.randint(0, 64, (3, t), generator=g), cache, t))
@@ -71,6 +72,15 @@ def test_paged_attention_gives_the_gather_paths_logits(attention):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_long_feeds_take_the_gather_path():
+    """Prefills go through SDPA even where the paged kernel is the default; steps stay paged."""
+    m = model("reference")
+    kv = m.new_kv(16, 4)
+    seq = kv.new_sequence()
+    assert m.plan(kv, [seq], [17]).attention.name == "gather"
+    assert m.plan(kv, [seq], [16]).attention.name == "paged-reference"
+
+
 def test_graphs_give_the_eager_logits_with_padding_to_buckets():
     eager = NativeCausalLM(model("reference"), {0}, 64, 4, graphs=False)
     graphed = NativeCausalLM(model("reference"), {0}, 64, 4, capture=eager_capture)
@@ -79,8 +89,8 @@ def test_graphs_give_the_eager_logits_with_padding_to_buckets():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     runner = graphed.graphs
     assert eager.graphs is None and runner is not None
-    # 3 rows run in the bucket of 4 (one padding row); the 9-token prefill is eager
-    assert sorted(runner._graphs) == [(4, 1, 1), (4, 4, 4)]
+    # 3 rows run in the bucket of 4 (one padding row); the 20-token prefill is eager
+    assert sorted(runner._graphs) == [(1, 9, 9), (4, 1, 1), (4, 4, 4)]
     assert runner.replays == len(got) - 1
 
 

@@ -18,6 +18,8 @@ SMC_DRAFT_TOKENS = 8
 # More particles than this is more often a typo (`-n` read as tokens or choices elsewhere) than
 # a plan; `allow_large` lifts the bound.
 MAX_PARTICLES = 64
+# OpenAI's default temperature, which its clients assume when a request gives none.
+SERVER_TEMPERATURE = 1.0
 
 
 def _require(ok: bool, message: str) -> None:
@@ -33,11 +35,13 @@ def _is_int(value: object) -> bool:
 class SamplingConfig:
     """What distribution to sample: the target's next-token law after temperature, top-k, top-p.
 
+    Every default here is the one `generate`, the CLI and the bench use (they read it from this
+    class); the server starts from OpenAI's temperature instead (`SERVER_TEMPERATURE`).
     temperature 0 means greedy. top_k 0 and top_p 1 disable truncation. draft_temperature None
     means "same as temperature"; it only changes the proposal, never the target law.
     """
 
-    temperature: float = 1.0
+    temperature: float = 0.7
     top_k: int = 0
     top_p: float = 1.0
     max_new_tokens: int = 128
@@ -139,8 +143,8 @@ def resolve_method(method: str | None, has_potential: bool = False) -> str:
 def method_configs(
     particles: int | None = None,
     draft_tokens: int | None = None,
-    resample_threshold: float = 0.5,
-    resampling: str = "systematic",
+    resample_threshold: float = SMCConfig.resample_threshold,
+    resampling: str = SMCConfig.resampling,
     allow_large: bool = False,
 ) -> tuple[SDConfig, SMCConfig]:
     """sd's and smc's settings; a None takes each method's own default, so one unset K is

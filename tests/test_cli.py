@@ -247,3 +247,30 @@ def test_stop_strings_reach_generate(monkeypatch, capsys, tiny_llm):
     call, out = run_generate(monkeypatch, capsys, tiny_llm, args)
     assert call["stop"] == ["w7", "w9 w9"]
     assert "finish_reason" in out
+
+
+def test_every_default_is_read_from_the_configs():
+    """Each default is written once, in its dataclass: the CLI, `LLM.plan`, the server and the
+    bench read it there (the server starts from OpenAI's temperature, `SERVER_TEMPERATURE`)."""
+    import inspect
+
+    from smcspec.config import SERVER_TEMPERATURE, SamplingConfig, SMCConfig
+    from smcspec.server.runtime import ServeDefaults
+
+    parser = cli.build_parser()
+    gen, serve = parser.parse_args(["generate", "x"]), parser.parse_args(["serve"])
+    plan = inspect.signature(LLM.plan).parameters
+    sampling, smc = SamplingConfig(), SMCConfig()
+    for name in ("temperature", "top_k", "top_p", "max_new_tokens"):
+        assert getattr(gen, name) == getattr(sampling, name) == plan[name].default, name
+    for name in ("resample_threshold", "resampling"):
+        want = getattr(smc, name)
+        assert getattr(gen, name) == getattr(serve, name) == plan[name].default == want, name
+        assert getattr(ServeDefaults, name) == want, name
+    assert serve.temperature == ServeDefaults.temperature == SERVER_TEMPERATURE
+    assert serve.max_tokens == ServeDefaults.max_tokens == sampling.max_new_tokens
+    for command in ("roofline", "accuracy", "engine"):
+        args = parser.parse_args(["bench", command])
+        assert args.temperature == sampling.temperature
+        assert args.resample_threshold == smc.resample_threshold
+    assert parser.parse_args(["bench", "speed"]).temperatures == str(sampling.temperature)

@@ -15,13 +15,14 @@ from smcspec.bench import machine, report
 from smcspec.bench.contenders import Contender, run
 from smcspec.bench.prompts import chat_text, humaneval_path, humaneval_problems
 from smcspec.bench.results import ResultLog, measurements
+from smcspec.config import SamplingConfig
 from smcspec.rewards import extract_code
 
 
 @dataclass(frozen=True)
 class AccuracyPlan:
     contenders: list[Contender]
-    temperature: float = 0.7
+    temperature: float = SamplingConfig.temperature
     offset: int = 0
     limit: int = 20
     max_new_tokens: int = 384

@@ -7,6 +7,117 @@ import sys
 from pathlib import Path
 
 from smcspec.bench.contenders import build_grid, parse_ints
+from smcspec.cli_common import add_model_options, command, llm_from_args
+from smcspec.config import SamplingConfig, SMCConfig
+
+T_DEFAULT = SamplingConfig.temperature
+
+
+def _add_grid_options(p: argparse.ArgumentParser, methods: list[str], smc_n: str) -> None:
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=methods,
+        help="of ar sd smc hf hf-assisted (hf peers need --backend hf)",
+    )
+    p.add_argument("--sd-k", default="2,4", help="K grid for sd")
+    p.add_argument("--smc-n", default=smc_n, help="N grid for smc")
+    p.add_argument("--smc-k", default="2,4", help="K grid for smc")
+    p.add_argument(
+        "--smc-power", default="", help="also run each smc setting with Power(alpha), e.g. 2,4"
+    )
+    p.add_argument(
+        "--resample-threshold",
+        type=float,
+        default=SMCConfig.resample_threshold,
+        help="resample when ESS < this x N",
+    )
+    p.add_argument("--out", default="bench-results", help="folder for .jsonl, .md and .png files")
+    p.add_argument("--seed", type=int, default=0, help="seed of the first run")
+    add_model_options(p)
+
+
+def add_parser(sub) -> None:
+    """`smcspec bench` and its subcommands, under the root parser's subparsers `sub`."""
+    bench = command(sub, "bench", "speed, roofline, accuracy and engine benchmarks")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    speed = command(bsub, "speed", "tokens/s of every method, interleaved, side by side")
+    _add_grid_options(speed, ["ar", "sd", "smc"], "2,4,8")
+    speed.add_argument(
+        "--temperatures", default=str(T_DEFAULT), help="comma-separated, e.g. 0.3,0.7,1.0,1.3"
+    )
+    speed.add_argument("--prompts", type=int, default=5, help="first P HumanEval prompts")
+    speed.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per run")
+    speed.add_argument("--natural-stop", action="store_true", help="stop at EOS (default: ignore)")
+    speed.add_argument("--reps", type=int, default=1, help="repetitions of every run")
+    roof = command(bsub, "roofline", "predicted vs measured SMC speed-up per (N, K)")
+    _add_grid_options(roof, ["smc"], "1,2,4,8")
+    roof.add_argument(
+        "--speed-results",
+        default=None,
+        help="a speed.jsonl to take measured S from (default: measure 2 prompts here)",
+    )
+    roof.add_argument("--temperature", type=float, default=T_DEFAULT, help="sampling temperature")
+    roof.add_argument("--context", type=int, default=150, help="cache length for the timings")
+    roof.add_argument("--timing-reps", type=int, default=3, help="timed repetitions per shape")
+    acc = command(bsub, "accuracy", "HumanEval pass@1 with 95% CI, and speed")
+    _add_grid_options(acc, ["ar", "sd", "smc"], "4")
+    acc.add_argument("--temperature", type=float, default=T_DEFAULT, help="sampling temperature")
+    acc.add_argument("--offset", type=int, default=0, help="first HumanEval problem")
+    acc.add_argument("--limit", type=int, default=20, help="number of problems")
+    acc.add_argument("--max-new-tokens", type=int, default=384, help="new tokens per problem")
+    acc.add_argument("--timeout", type=float, default=10.0, help="seconds per program")
+    eng = command(bsub, "engine", "native vs transformers engine: steps, resampling, e2e")
+    _add_grid_options(eng, ["ar", "sd", "smc"], "2,4")
+    eng.add_argument("--backends", default="native,hf", help="comma-separated engines to compare")
+    eng.add_argument("--context", type=int, default=150, help="cache length for the timings")
+    eng.add_argument("--reps", type=int, default=5, help="timed repetitions per forward shape")
+    eng.add_argument("--prompts", type=int, default=3, help="first P HumanEval prompts")
+    eng.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per run")
+    eng.add_argument("--temperature", type=float, default=T_DEFAULT, help="sampling temperature")
+    gpu = command(bsub, "gpu", "native engine on one GPU: random weights of the real shapes")
+    gpu.add_argument(
+        "--device", default="auto", help="auto (cuda; refused without one), cuda[:i], cpu"
+    )
+    gpu.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA), bfloat16 or float32")
+    gpu.add_argument("--out", default="bench-results", help="folder for gpu.jsonl and gpu.md")
+    gpu.add_argument(
+        "--smoke", action="store_true", help="tiny float32 models on the CPU (seconds)"
+    )
+    gpu.add_argument("--new-tokens", type=int, default=None, help="new tokens per end-to-end run")
+    gpu.add_argument("--reps", type=int, default=None, help="timed repetitions per forward shape")
+    fid = command(bsub, "fidelity", "KL of int8 (or bfloat16) against float32")
+    fid.add_argument("--target", default=None, help="folder or .gguf (default: built-in)")
+    fid.add_argument("--draft", default=None, help="folder or .gguf (default: built-in)")
+    fid.add_argument("--dtype", default="int8", choices=["int8", "bfloat16"], help="compared")
+    fid.add_argument("--new-tokens", type=int, default=48, help="greedy continuation length")
+    fid.add_argument(
+        "--cache-dir",
+        default=None,
+        help="model cache (default: $SMCSPEC_CACHE or ~/.cache/smcspec)",
+    )
+    fid.add_argument("--out", default="bench-results", help="folder for the results")
+    js = command(bsub, "json", "constrained JSON: validity and speed, ar vs smc")
+    js.add_argument("--particles", type=int, default=4, metavar="N", help="smc's particles")
+    js.add_argument("-k", "--draft-tokens", type=int, default=4, help="smc's draft tokens K")
+    js.add_argument("--reps", type=int, default=2, help="seeds per prompt")
+    js.add_argument("--max-new-tokens", type=int, default=96, help="new tokens per run")
+    js.add_argument("--out", default="bench-results", help="folder for the results")
+    js.add_argument("--methods", nargs="+", default=["ar", "smc"], help=argparse.SUPPRESS)
+    add_model_options(js)
+    srv = command(bsub, "serve", "the HTTP server under 1..C concurrent clients")
+    srv.add_argument(
+        "--methods", default="ar,sd K=4,smc N=2 K=8,smc N=4 K=4", help="comma-separated"
+    )
+    srv.add_argument("--concurrency", default="1,4,16", help="client counts, comma-separated")
+    srv.add_argument("--requests", type=int, default=16, help="requests per level")
+    srv.add_argument("--max-tokens", type=int, default=32, help="new tokens per request")
+    srv.add_argument("--temperature", type=float, default=T_DEFAULT, help="sampling temperature")
+    srv.add_argument("--out", default="bench-results", help="folder for the results")
+    add_model_options(srv)
+    rep = command(bsub, "report", "tables and plots from result files")
+    rep.add_argument("--out", default="bench-results", help="folder holding the results")
+    rep.add_argument("--accuracy-files", nargs="*", default=[], help="more accuracy.jsonl files")
 
 
 def _floats(text: str, name: str) -> list[float]:
@@ -33,8 +144,6 @@ def _grid(args: argparse.Namespace):
 
 
 def _llm(args: argparse.Namespace, backend: str | None = None):
-    from smcspec.cli import llm_from_args
-
     return llm_from_args(args, backend)
 
 

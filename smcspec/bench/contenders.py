@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from smcspec.config import SDConfig, method_configs
+from smcspec.config import SDConfig, SMCConfig, method_configs
 from smcspec.potentials import Power
 
 METHOD_NAMES = ("ar", "sd", "smc", "hf", "hf-assisted")
@@ -54,7 +54,7 @@ def build_grid(
     sd_k: list[int],
     smc_n: list[int],
     smc_k: list[int],
-    resample_threshold: float = 0.5,
+    resample_threshold: float = SMCConfig.resample_threshold,
     smc_power: list[float] | None = None,
 ) -> list[Contender]:
     """Expand method names over the grids; raise ValueError on an unknown name or bad setting.

@@ -24,7 +24,8 @@ from smcspec.bench.report import _fmt
 from smcspec.bench.results import ResultLog, header, measurements
 from smcspec.bench.roofline import time_forward
 from smcspec.bench.speed import prompt_ids
-from smcspec.decoding.base import start_cache
+from smcspec.config import SamplingConfig
+from smcspec.engine import start_cache
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class EnginePlan:
     resample_tokens: int = 256
     prompts: int = 3
     max_new_tokens: int = 64
-    temperature: float = 0.7
+    temperature: float = SamplingConfig.temperature
     reps: int = 5
     seed: int = 0
 

@@ -42,7 +42,7 @@ from smcspec.bench.gpu_pairs import (
 )
 from smcspec.bench.gpu_report import run_header, write_report
 from smcspec.bench.results import ResultLog
-from smcspec.decoding.base import start_cache
+from smcspec.engine import start_cache
 from smcspec.engine.llm import LLM
 from smcspec.models.llama import LlamaConfig
 from smcspec.models.native import NativeCausalLM

@@ -21,7 +21,7 @@ from smcspec.bench.gpu_pairs import (
     torch_dtype,
     wrap,
 )
-from smcspec.decoding.base import start_cache
+from smcspec.engine import start_cache
 from smcspec.models.native import NativeCausalLM
 
 Case = tuple[str, list[int], torch.Tensor]  # (check, token ids, native log-probs [T, V])

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from smcspec.config import SamplingConfig
 from smcspec.engine.llm import LLM
 from smcspec.models.graphs import eager_capture
 from smcspec.models.llama import LlamaConfig, LlamaModel, random_weights
@@ -71,7 +72,7 @@ class GpuPlan:
     new_tokens: int = 128
     resample_particles: int = 8
     resample_tokens: int = 256
-    temperature: float = 0.7
+    temperature: float = SamplingConfig.temperature
     reps: int = 10
     check_tokens: int = 64
     copy_bytes: int = 1 << 31

@@ -20,7 +20,8 @@ import torch
 
 from smcspec.bench import machine
 from smcspec.bench.results import measurements
-from smcspec.decoding.base import start_cache
+from smcspec.config import SamplingConfig
+from smcspec.engine import start_cache
 
 
 def time_forward(model, context: list[int], batch: int, new_tokens: int, reps: int) -> float:
@@ -106,7 +107,7 @@ def run_roofline(
     out_dir: str | Path,
     reps: int = 3,
     speed_file: str | None = None,
-    temperature: float = 0.7,
+    temperature: float = SamplingConfig.temperature,
     precision: str = "float32",
 ) -> str:
     costs = measure_costs(llm, context, grid, reps)

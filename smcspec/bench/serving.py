@@ -25,6 +25,7 @@ from smcspec.bench.machine import describe, one_line
 from smcspec.bench.prompts import chat_text, humaneval_problems
 from smcspec.bench.report import _fmt
 from smcspec.bench.results import ResultLog, header, measurements
+from smcspec.config import SamplingConfig
 
 MODEL_NAME = "bench"
 METHODS = {
@@ -41,7 +42,7 @@ class ServePlan:
     concurrency: tuple[int, ...] = (1, 4, 16)
     requests: int = 16
     max_tokens: int = 32
-    temperature: float = 0.7
+    temperature: float = SamplingConfig.temperature
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in METHODS]

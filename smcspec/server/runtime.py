@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from smcspec.config import (
+    SERVER_TEMPERATURE,
     SamplingConfig,
+    SMCConfig,
     check_method,
     lookahead,
     method_configs,
@@ -69,10 +71,10 @@ class ServeDefaults:
     method: str | None = None
     particles: int | None = None
     draft_tokens: int | None = None
-    resample_threshold: float = 0.5
-    resampling: str = "systematic"
-    temperature: float = 1.0
-    max_tokens: int = 128
+    resample_threshold: float = SMCConfig.resample_threshold
+    resampling: str = SMCConfig.resampling
+    temperature: float = SERVER_TEMPERATURE
+    max_tokens: int = SamplingConfig.max_new_tokens
     max_running: int = 64
     max_batch_tokens: int = 256
     max_body_bytes: int = 4 * 2**20

@@ -1,0 +1,78 @@
+"""What the two command lines share (`smcspec` and `smcspec bench`): the help format, the model
+options, and the LLM they name. Both import this; neither imports the other's internals."""
+
+from __future__ import annotations
+
+import argparse
+
+from smcspec.models.loader import BACKENDS, DTYPES
+
+
+class Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default, unless the help already says it; flags are off
+    unless given."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        skip = not action.option_strings or isinstance(action.default, bool)
+        if skip or action.default == argparse.SUPPRESS or "default" in text:
+            return text
+        value = action.default
+        if isinstance(value, list):
+            value = " ".join(value)
+        value = "none" if value in (None, "") else value
+        return f"{text} (default: {str(value).replace('%', '%%')})".lstrip()
+
+
+def command(sub, name: str, help: str) -> argparse.ArgumentParser:
+    # argparse %-formats a help string, not a description
+    escaped = help.replace("%", "%%")
+    return sub.add_parser(name, help=escaped, description=help, formatter_class=Help)
+
+
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None, help="hub id, folder or .gguf (default: built-in)")
+    p.add_argument("--draft", default=None, help="hub id, folder or .gguf (default: built-in)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPES,
+        help="weights; auto = int8 on a CPU (float activations), bfloat16 on CUDA",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="auto (cuda when there is one, else cpu), cpu, cuda or cuda:<index>",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="native engine on CUDA: run every step eagerly instead of replaying CUDA graphs",
+    )
+    p.add_argument(
+        "--backend",
+        default="auto",
+        choices=BACKENDS,
+        help="native: Llama/Qwen2/Mistral on a paged KV cache; hf: transformers (any model); "
+        "auto: native where it applies",
+    )
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        help="model cache (default: $SMCSPEC_CACHE or ~/.cache/smcspec)",
+    )
+
+
+def llm_from_args(args: argparse.Namespace, backend: str | None = None):
+    """The LLM the model options (`add_model_options`) name; `backend` overrides --backend."""
+    from smcspec.engine import LLM
+
+    return LLM(
+        args.target,
+        args.draft,
+        dtype=args.dtype,
+        device=args.device,
+        cache_dir=args.cache_dir,
+        backend=args.backend if backend is None else backend,
+        enforce_eager=args.enforce_eager,
+    )

@@ -1,7 +1,7 @@
 """smcspec: Sequential Monte Carlo speculative decoding (SMC-SD), with exact SD and AR baselines."""
 
-from smcspec.config import SamplingConfig, SDConfig, SMCConfig
+from smcspec.config import ARConfig, SamplingConfig, SDConfig, SMCConfig
 from smcspec.engine import LLM, GenerationResult
 
-__all__ = ["LLM", "GenerationResult", "SDConfig", "SMCConfig", "SamplingConfig"]
+__all__ = ["LLM", "ARConfig", "GenerationResult", "SDConfig", "SMCConfig", "SamplingConfig"]
 __version__ = "0.1.0"

@@ -127,6 +127,25 @@ class SMCConfig:
         )
 
 
+@dataclass(frozen=True)
+class ARConfig:
+    """Autoregressive decoding: one target step per token, the reference the others match. It
+    has no settings; its type is what picks it."""
+
+
+DecodingConfig = ARConfig | SDConfig | SMCConfig
+
+
+def method_of(decoding: DecodingConfig) -> str:
+    """The method name ("ar", "sd", "smc") of a decoding config."""
+    names = {ARConfig: "ar", SDConfig: "sd", SMCConfig: "smc"}
+    if type(decoding) not in names:
+        raise ValueError(
+            f"decoding must be an ARConfig, SDConfig or SMCConfig, got {type(decoding).__name__}"
+        )
+    return names[type(decoding)]
+
+
 def check_method(method: str) -> str:
     _require(method in METHODS, f"method must be one of {', '.join(METHODS)}, got {method!r}")
     return method
@@ -164,6 +183,20 @@ def method_configs(
     return sd, smc
 
 
-def lookahead(method: str, sd: SDConfig, smc: SMCConfig) -> int:
-    """Draft tokens a round can write past the last committed token: the running method's K."""
-    return {"sd": sd.draft_tokens, "smc": smc.draft_tokens}.get(method, 0)
+def decoding_config(
+    method: str,
+    particles: int | None = None,
+    draft_tokens: int | None = None,
+    resample_threshold: float = SMCConfig.resample_threshold,
+    resampling: str = SMCConfig.resampling,
+    allow_large: bool = False,
+) -> DecodingConfig:
+    """The config of `method` from loose settings (every one checked, whichever method runs)."""
+    sd, smc = method_configs(particles, draft_tokens, resample_threshold, resampling, allow_large)
+    return {"ar": ARConfig(), "sd": sd, "smc": smc}[check_method(method)]
+
+
+def lookahead(decoding: DecodingConfig) -> int:
+    """Draft tokens a round can write past the last committed token: the method's K, none for
+    ar."""
+    return 0 if isinstance(decoding, ARConfig) else decoding.draft_tokens

@@ -250,16 +250,17 @@ def test_stop_strings_reach_generate(monkeypatch, capsys, tiny_llm):
 
 
 def test_every_default_is_read_from_the_configs():
-    """Each default is written once, in its dataclass: the CLI, `LLM.plan`, the server and the
-    bench read it there (the server starts from OpenAI's temperature, `SERVER_TEMPERATURE`)."""
+    """Each default is written once, in its dataclass: the CLI, `generate`'s keywords, the
+    server and the bench read it there (the server starts from OpenAI's temperature)."""
     import inspect
 
     from smcspec.config import SERVER_TEMPERATURE, SamplingConfig, SMCConfig
+    from smcspec.engine.request import settings_from_keywords
     from smcspec.server.runtime import ServeDefaults
 
     parser = cli.build_parser()
     gen, serve = parser.parse_args(["generate", "x"]), parser.parse_args(["serve"])
-    plan = inspect.signature(LLM.plan).parameters
+    plan = inspect.signature(settings_from_keywords).parameters
     sampling, smc = SamplingConfig(), SMCConfig()
     for name in ("temperature", "top_k", "top_p", "max_new_tokens"):
         assert getattr(gen, name) == getattr(sampling, name) == plan[name].default, name

@@ -43,10 +43,13 @@ stops decoding: the caller has seen what it needs (a stop string) or no longer w
 
 
 class Decoder(Protocol):
+    """What ar, sd and smc share: decode `prompt` under `sampling_cfg`, drawing every random
+    number from `generator`, and report to `watch` after every round."""
+
     def decode(
         self,
         prompt: list[int],
-        sampling: SamplingConfig,
+        sampling_cfg: SamplingConfig,
         generator: torch.Generator,
         watch: Watch | None = None,
     ) -> DecodeResult: ...

@@ -16,19 +16,26 @@ from typing import Any
 import torch
 
 from smcspec.config import (
+    ARConfig,
+    DecodingConfig,
     SamplingConfig,
     SDConfig,
     SMCConfig,
-    lookahead,
-    method_configs,
-    resolve_method,
+    method_of,
 )
-from smcspec.decoding import AutoregressiveDecoder, DecodeResult, SMCDecoder, SpeculativeDecoder
+from smcspec.decoding import (
+    AutoregressiveDecoder,
+    Decoder,
+    DecodeResult,
+    SMCDecoder,
+    SpeculativeDecoder,
+)
 from smcspec.decoding.base import Watch
+from smcspec.engine.request import Request, build_potential, settings_from_keywords
 from smcspec.engine.scheduler import Job, Scheduler
 from smcspec.engine.text import TextStream, check_stops
 from smcspec.models.base import CausalLM
-from smcspec.potentials import Constraint, Potential, Power, Product, Reward
+from smcspec.potentials import Potential
 
 
 @dataclass
@@ -51,31 +58,6 @@ class GenerationResult:
         if self.particle_texts is not None:
             out["particle_texts"] = self.particle_texts
         return out
-
-
-@dataclass(frozen=True)
-class Request:
-    """One checked generation request: the prompt's token ids and every decoding setting."""
-
-    prompt_ids: list[int]
-    method: str
-    sampling: SamplingConfig
-    smc: SMCConfig
-    sd: SDConfig
-    potential: Potential | None
-    seed: int
-    stops: tuple[str, ...] = ()
-
-    def kv_rows(self) -> tuple[int, int]:
-        """Sequences this request keeps in the target's and the draft's KV cache."""
-        if self.method == "smc":
-            return self.smc.particles, self.smc.particles
-        return (1, 1) if self.method == "sd" else (1, 0)
-
-    def max_length(self) -> int:
-        """The longest a sequence can get: prompt, new tokens, and a round of drafts past them."""
-        drafts = lookahead(self.method, self.sd, self.smc)
-        return len(self.prompt_ids) + self.sampling.max_new_tokens + drafts
 
 
 class LLM:
@@ -190,9 +172,9 @@ class LLM:
         `grammar` (Lark) constraints, `reward(text) -> float` as exp(reward_beta * r) (every
         `reward_every` tokens as a twist, else at the end), and any `potential` object. smc
         samples that target; ar applies power and constraints locally (the naive, biased way);
-        sd supports none of them. The settings are those of `Request` (see `plan`); `watch`
+        sd supports none of them. The settings are those of `request`; `watch`
         sees the tokens fixed so far after every round (see `decoding.base.Watch`)."""
-        return self.run(self.plan(prompt, method, **settings), watch=watch)
+        return self.run(self.request(prompt, method, **settings), watch=watch)
 
     def generate_batch(
         self,
@@ -209,7 +191,7 @@ class LLM:
         checked before any runs."""
         seed = settings.pop("seed", None)
         requests = [
-            self.plan(p, method, seed=None if seed is None else seed + i, **settings)
+            self.request(p, method, seed=None if seed is None else seed + i, **settings)
             for i, p in enumerate(prompts)
         ]
         scheduler = Scheduler((self.target, self.draft), max_running, max_batch_tokens)
@@ -222,20 +204,38 @@ class LLM:
     def plan(
         self,
         prompt: str | list[int],
+        decoding: DecodingConfig | None = None,
+        sampling: SamplingConfig | None = None,
+        potential: Potential | None = None,
+        *,
+        stop: str | Sequence[str] | None = None,
+        chat: bool = True,
+    ) -> Request:
+        """Check the request and encode the prompt, loading nothing and running nothing: a
+        `Request` that `run` executes. The decoding config's type picks the method
+        (`ARConfig`, `SDConfig`, `SMCConfig`; None: sd, or smc with a potential); None sampling
+        takes `SamplingConfig()`'s defaults. `stop`: a string or a list of strings (none
+        empty); the text ends just before the first one and decoding stops once it is certain.
+        Bad settings raise ValueError naming the field."""
+        stops = check_stops(stop)
+        if decoding is None:
+            decoding = SMCConfig() if potential is not None else SDConfig()
+        method = method_of(decoding)
+        if potential is not None and method == "sd":
+            raise ValueError(
+                "sd targets p exactly by rejection and cannot take potentials; use smc (or ar)"
+            )
+        sampling = SamplingConfig() if sampling is None else sampling
+        ids = self.encode(prompt, chat)
+        seed = secrets.randbits(63) if sampling.seed is None else sampling.seed
+        return Request(ids, decoding, sampling, potential, seed, stops)
+
+    def request(
+        self,
+        prompt: str | list[int],
         method: str | None = None,
         *,
-        particles: int | None = None,
-        draft_tokens: int | None = None,
-        resample_threshold: float = SMCConfig.resample_threshold,
-        resampling: str = SMCConfig.resampling,
-        temperature: float = SamplingConfig.temperature,
-        draft_temperature: float | None = None,
-        top_k: int = SamplingConfig.top_k,
-        top_p: float = SamplingConfig.top_p,
-        max_new_tokens: int = SamplingConfig.max_new_tokens,
-        stop_at_eos: bool = SamplingConfig.stop_at_eos,
         stop: str | Sequence[str] | None = None,
-        seed: int | None = None,
         chat: bool = True,
         power_alpha: float | None = None,
         regex: str | None = None,
@@ -245,33 +245,28 @@ class LLM:
         reward_beta: float = 1.0,
         reward_every: int | None = None,
         potential: Potential | None = None,
-        allow_large: bool = False,
+        **settings: Any,
     ) -> Request:
-        """Check every setting and encode the prompt, loading nothing and running nothing: a
-        `Request` that `run` executes. Bad settings raise ValueError naming the field.
-        `stop`: a string or a list of strings (any number, none empty); the text ends just
-        before the first one and decoding stops once it is certain.
-        `method` None: sd, or smc when a potential is given. `particles` / `draft_tokens` None:
-        each method's own default (`smcspec.config`: sd K=4; smc N=2, K=8). More than 64
-        particles need `allow_large=True`."""
-        stops = check_stops(stop)
+        """`plan` from `generate`'s keywords: the potentials (`power_alpha`, `regex`,
+        `json_schema`, `grammar`, `reward`, `potential`) and the settings of
+        `request.settings_from_keywords` (particles, draft_tokens, resample_threshold,
+        resampling, temperature, draft_temperature, top_k, top_p, max_new_tokens, stop_at_eos,
+        seed, allow_large). `method` None: sd, or smc when a potential is given;
+        `particles` / `draft_tokens` None: each method's own default (`smcspec.config`: sd K=4;
+        smc N=2, K=8). More than 64 particles need `allow_large=True`."""
+        check_stops(stop)  # the cheap checks first, before a constraint compiles
         potential = self.build_potential(
             power_alpha, regex, json_schema, grammar, reward, reward_beta, reward_every, potential
         )
-        method = resolve_method(method, potential is not None)
         if potential is not None and method == "sd":
             raise ValueError(
                 "sd targets p exactly by rejection and cannot take potentials; use smc (or ar)"
             )
-        sampling_cfg = SamplingConfig(
-            temperature, top_k, top_p, max_new_tokens, stop_at_eos, seed, draft_temperature
-        )
-        sd, smc = method_configs(
-            particles, draft_tokens, resample_threshold, resampling, allow_large
-        )
-        ids = self.encode(prompt, chat)
-        seed = secrets.randbits(63) if seed is None else seed
-        return Request(ids, method, sampling_cfg, smc, sd, potential, seed, stops)
+        try:
+            decoding, sampling = settings_from_keywords(method, potential, **settings)
+        except TypeError as err:  # an unknown keyword, named as the caller wrote it
+            raise TypeError(str(err).replace("settings_from_keywords()", "generate()")) from None
+        return self.plan(prompt, decoding, sampling, potential, stop=stop, chat=chat)
 
     def run(
         self,
@@ -284,12 +279,7 @@ class LLM:
         forward passes with other requests' (see `engine.scheduler`). `on_text` gets the text
         as it can no longer change, in pieces that add up to the result's text."""
         target, draft = models if models is not None else (self.target, self.draft)
-        if request.method == "smc":
-            decoder = SMCDecoder(target, draft, request.smc, request.potential)
-        elif request.method == "sd":
-            decoder = SpeculativeDecoder(target, draft, request.sd)
-        else:
-            decoder = AutoregressiveDecoder(target, request.potential)
+        decoder = make_decoder(request.decoding, target, draft, request.potential)
         text = TextStream(self.decode_text, request.stops)
 
         def watch_text(tokens: list[int]) -> bool:
@@ -330,41 +320,10 @@ class LLM:
         reward_every: int | None = None,
         extra: Potential | None = None,
     ) -> Potential | None:
-        """The product of the potentials asked for, or None."""
-        parts: list[Potential] = []
-        if power_alpha is not None:
-            parts.append(Power(power_alpha))
-        texts = {"regex": regex, "json_schema": json_schema, "grammar": grammar}
-        if sum(v is not None for v in texts.values()) > 1:
-            raise ValueError("give at most one of regex, json_schema and grammar")
-        for kind, text in texts.items():
-            if text is None:
-                continue
-            if self.tokenizer is None:
-                raise ValueError(f"{kind} needs a tokenizer (this LLM has none)")
-            build = {"regex": Constraint.regex, "json_schema": Constraint.json_schema}
-            make = build.get(kind, Constraint.lark)
-            parts.append(make(text, self._guidance_tokenizer(), self.target.vocab_size))
-        if reward is not None:
-            if not callable(reward):
-                raise ValueError(f"reward must be a function of the text, got {reward!r}")
-            decode = self.decode_text
-            parts.append(Reward(lambda ids, final: reward(decode(ids)), reward_beta, reward_every))
-        if extra is not None:
-            parts.append(extra)
-        if not parts:
-            return None
-        return parts[0] if len(parts) == 1 else Product(parts)
-
-    def _guidance_tokenizer(self) -> Any:
-        """llguidance's view of the tokenizer, built once (a second for a 152k vocabulary)."""
-        if getattr(self, "_ll_tokenizer", None) is None:
-            import llguidance.hf
-
-            self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                self.tokenizer, n_vocab=self.target.vocab_size
-            )
-        return self._ll_tokenizer
+        """The product of the potentials asked for, or None (see `request.build_potential`)."""
+        return build_potential(
+            self, power_alpha, regex, json_schema, grammar, reward, reward_beta, reward_every, extra
+        )
 
     def _package(
         self, result: DecodeResult, request: Request, text: TextStream
@@ -393,6 +352,19 @@ class LLM:
         if stopped or ended or len(tokens) < sampling.max_new_tokens:
             return "stop"
         return "length"
+
+
+def make_decoder(
+    decoding: DecodingConfig, target: CausalLM, draft: CausalLM, potential: Potential | None
+) -> Decoder:
+    """The decoder a config's type names."""
+    if isinstance(decoding, SMCConfig):
+        return SMCDecoder(target, draft, decoding, potential)
+    if isinstance(decoding, SDConfig):
+        return SpeculativeDecoder(target, draft, decoding)
+    if isinstance(decoding, ARConfig):
+        return AutoregressiveDecoder(target, potential)
+    raise ValueError(f"no decoder for {type(decoding).__name__}")
 
 
 def _name(spec: str, role: str) -> str:

@@ -23,6 +23,7 @@ from smcspec.config import (
     SamplingConfig,
     SMCConfig,
     check_method,
+    decoding_config,
     lookahead,
     method_configs,
     resolve_method,
@@ -178,14 +179,14 @@ class Server:
         except ValueError as err:
             raise ApiError(str(err)) from err
         method = resolve_method(body.method or d.method, potential is not None)
-        drafts = lookahead(method, *method_configs(particles, k))
+        drafts = lookahead(decoding_config(method, particles, k))
         choices = []
         for p, ids in enumerate(prompts):
             limit = self._token_limit(body, len(ids), drafts, param)
             for j in range(body.n):
                 seed = None if body.seed is None else body.seed + p * body.n + j
                 try:
-                    plan = self.llm.plan(
+                    plan = self.llm.request(
                         ids,
                         method,
                         particles=particles,
@@ -194,8 +195,8 @@ class Server:
                         resampling=body.resampling or d.resampling,
                         temperature=_given(body.temperature, d.temperature),
                         draft_temperature=body.draft_temperature,
-                        top_k=body.top_k or 0,
-                        top_p=_given(body.top_p, 1.0),
+                        top_k=body.top_k or SamplingConfig.top_k,
+                        top_p=_given(body.top_p, SamplingConfig.top_p),
                         max_new_tokens=limit,
                         stop_at_eos=not body.ignore_eos,
                         stop=stops,

@@ -120,12 +120,13 @@ def test_potentials_through_the_api():
 def test_each_method_reserves_its_own_lookahead():
     """A round can write K draft tokens past the last committed one, K being the running
     method's own: sd's for sd, smc's for smc, none for ar."""
-    from smcspec.config import SamplingConfig, SDConfig, SMCConfig
+    from smcspec.config import ARConfig, SamplingConfig, SDConfig, SMCConfig
     from smcspec.engine import Request
 
     def request(method):
         sampling = SamplingConfig(max_new_tokens=10)
-        return Request([1, 2, 3], method, sampling, SMCConfig(2, 2), SDConfig(6), None, 0)
+        decoding = {"ar": ARConfig(), "sd": SDConfig(6), "smc": SMCConfig(2, 2)}[method]
+        return Request([1, 2, 3], decoding, sampling, None, 0)
 
     assert request("sd").max_length() == 3 + 10 + 6
     assert request("smc").max_length() == 3 + 10 + 2
@@ -135,22 +136,22 @@ def test_each_method_reserves_its_own_lookahead():
 def test_defaults_are_the_fastest_measured_and_resolved_per_method(llm):
     """No method: sd with K=4; smc without settings: N=2, K=8; a potential without a method:
     smc (sd refuses potentials). An explicit K applies to whichever method runs."""
-    sd = llm.plan([1])
-    assert sd.method == "sd" and sd.sd.draft_tokens == 4 and sd.max_length() == 1 + 128 + 4
-    smc = llm.plan([1], "smc")
-    assert (smc.smc.particles, smc.smc.draft_tokens, smc.max_length()) == (2, 8, 1 + 128 + 8)
-    assert llm.plan([1], power_alpha=2.0).method == "smc"
-    assert llm.plan([1], "ar", power_alpha=2.0).method == "ar"
-    assert llm.plan([1], "smc", draft_tokens=3).smc.draft_tokens == 3
-    assert llm.plan([1], "sd", draft_tokens=3).sd.draft_tokens == 3
+    sd = llm.request([1])
+    assert sd.method == "sd" and sd.decoding.draft_tokens == 4 and sd.max_length() == 1 + 128 + 4
+    smc = llm.request([1], "smc")
+    assert (smc.decoding.particles, smc.decoding.draft_tokens, smc.max_length()) == (2, 8, 137)
+    assert llm.request([1], power_alpha=2.0).method == "smc"
+    assert llm.request([1], "ar", power_alpha=2.0).method == "ar"
+    assert llm.request([1], "smc", draft_tokens=3).decoding.draft_tokens == 3
+    assert llm.request([1], "sd", draft_tokens=3).decoding.draft_tokens == 3
     assert llm.generate([1], max_new_tokens=3, seed=0).method == "sd"
 
 
 def test_particles_are_bounded_unless_large_is_allowed(llm):
-    llm.plan([1], "smc", particles=64)
+    llm.request([1], "smc", particles=64)
     with pytest.raises(ValueError, match=r"particles .* 64.*allow_large"):
-        llm.plan([1], "smc", particles=65)
-    assert llm.plan([1], "smc", particles=65, allow_large=True).smc.particles == 65
+        llm.request([1], "smc", particles=65)
+    assert llm.request([1], "smc", particles=65, allow_large=True).decoding.particles == 65
 
 
 @pytest.fixture
@@ -231,7 +232,7 @@ def test_finish_reason_is_stop_at_eos_and_length_at_the_limit(llm):
 @pytest.mark.parametrize("stop", ["", ["a", ""], [3], 7, ["a", None]])
 def test_bad_stop_strings_are_refused_before_decoding(llm, stop):
     with pytest.raises(ValueError, match="stop must be"):
-        llm.plan([1], "ar", stop=stop)
+        llm.request([1], "ar", stop=stop)
 
 
 def test_generate_batch_takes_stop_strings(llm):
@@ -297,3 +298,33 @@ def test_extreme_temperatures_on_the_native_model(tiny_llm, method, options):
     vocab = tiny_llm.target.vocab_size
     assert len(out.token_ids) == 6 and all(0 <= t < vocab for t in out.token_ids)
     assert tiny_llm.target.pages.used_pages == 0
+
+
+def test_plan_takes_typed_configs_whose_type_picks_the_decoder(llm):
+    """`plan(prompt, decoding, sampling, potential)`: the config's type picks the method, and
+    `generate`'s keywords are the same request spelled loosely."""
+    from smcspec import ARConfig, SamplingConfig, SDConfig, SMCConfig
+    from smcspec.potentials import Power
+
+    sampling = SamplingConfig(temperature=0.9, max_new_tokens=6, stop_at_eos=False, seed=3)
+    for decoding, keywords in (
+        (ARConfig(), {"method": "ar"}),
+        (SDConfig(3), {"method": "sd", "draft_tokens": 3}),
+        (SMCConfig(3, 2), {"method": "smc", "particles": 3, "draft_tokens": 2}),
+    ):
+        typed = llm.run(llm.plan([1, 2], decoding, sampling))
+        loose = llm.generate(
+            [1, 2], temperature=0.9, max_new_tokens=6, stop_at_eos=False, seed=3, **keywords
+        )
+        assert typed.method == keywords["method"] and typed.token_ids == loose.token_ids
+        # the decoder that ran, by its own diagnostics: sd's acceptance, smc's particles
+        assert ("acceptance_rate" in typed.diagnostics) == isinstance(decoding, SDConfig)
+        assert (typed.particle_texts is not None) == isinstance(decoding, SMCConfig)
+    assert llm.plan([1]).method == "sd"  # None: sd, or smc with a potential
+    assert llm.plan([1], potential=Power(2.0)).method == "smc"
+    with pytest.raises(ValueError, match="cannot take potentials"):
+        llm.plan([1], SDConfig(), potential=Power(2.0))
+    with pytest.raises(ValueError, match="decoding must be an ARConfig"):
+        llm.plan([1], "smc")
+    with pytest.raises(TypeError, match=r"generate\(\) got an unexpected keyword"):
+        llm.generate([1], particle=3)

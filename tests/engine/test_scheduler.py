@@ -36,7 +36,7 @@ def small_pool(llm: LLM, pages: int) -> LLM:
 
 def alone_and_together(llm: LLM, prompt: str, **options):
     """Each SETTINGS request decoded alone, then all at once through one scheduler."""
-    requests = [llm.plan(prompt, stop_at_eos=False, **s) for s in SETTINGS]
+    requests = [llm.request(prompt, stop_at_eos=False, **s) for s in SETTINGS]
     alone = [llm.run(r).token_ids for r in requests]
     scheduler = Scheduler((llm.target, llm.draft), **options)
     try:
@@ -112,7 +112,7 @@ def test_forward_many_matches_separate_forwards(llm):
 
 def test_requests_wait_for_pages_and_all_pages_come_back(llm):
     small = small_pool(llm, pages=40)
-    requests = [small.plan("w1 w2", stop_at_eos=False, **s) for s in SETTINGS]
+    requests = [small.request("w1 w2", stop_at_eos=False, **s) for s in SETTINGS]
     alone = [small.run(r).token_ids for r in requests]
     scheduler = Scheduler((small.target, small.draft))
     peak = 0
@@ -135,7 +135,7 @@ def test_a_request_larger_than_the_pool_is_refused(llm):
     small = small_pool(llm, pages=10)
     scheduler = Scheduler((small.target, small.draft))
     try:
-        request = small.plan("w1", method="smc", particles=8, max_new_tokens=40)
+        request = small.request("w1", method="smc", particles=8, max_new_tokens=40)
         with pytest.raises(ValueError, match="KV pages"):
             scheduler.submit(small.job(request))
     finally:
@@ -144,8 +144,8 @@ def test_a_request_larger_than_the_pool_is_refused(llm):
 
 def test_cancelled_and_failing_jobs_free_their_pages_and_spare_the_others(llm):
     scheduler = Scheduler((llm.target, llm.draft))
-    long = llm.plan("w1 w2", method="smc", particles=4, max_new_tokens=100, stop_at_eos=False)
-    fine = llm.plan("w3", method="sd", max_new_tokens=20, stop_at_eos=False, seed=9)
+    long = llm.request("w1 w2", method="smc", particles=4, max_new_tokens=100, stop_at_eos=False)
+    fine = llm.request("w3", method="sd", max_new_tokens=20, stop_at_eos=False, seed=9)
     started = threading.Event()
 
     def watched(views):
@@ -183,7 +183,7 @@ def test_a_fault_in_a_pass_fails_the_waiting_jobs_instead_of_hanging_them(llm):
 
     scheduler = Scheduler((Broken(), llm.draft))
     try:
-        request = llm.plan("w1 w2", method="ar", max_new_tokens=4)
+        request = llm.request("w1 w2", method="ar", max_new_tokens=4)
         failing = scheduler.submit(llm.job(request))
         with pytest.raises(RuntimeError, match="fell over"):
             failing.future.result(timeout=30)
@@ -230,11 +230,11 @@ def test_one_poisoned_job_fails_alone_and_the_eight_others_get_their_tokens(llm)
     """Issue 12: a job whose call is bad (an id outside the vocabulary, or a pass that fails
     with it) failed every job batched with it. Each good one must give what it gives alone."""
     settings = SETTINGS + [dict(method="sd", seed=7, draft_tokens=2, max_new_tokens=10)] * 2
-    requests = [llm.plan("w1 w2 w3", stop_at_eos=False, **s) for s in settings]
+    requests = [llm.request("w1 w2 w3", stop_at_eos=False, **s) for s in settings]
     alone = [llm.run(r).token_ids for r in requests]
     poisoned: set[int] = set()
     scheduler = Scheduler((_Flaky(llm.target, poisoned), llm.draft))
-    bad_request = llm.plan("w4", method="ar", max_new_tokens=5, stop_at_eos=False, seed=1)
+    bad_request = llm.request("w4", method="ar", max_new_tokens=5, stop_at_eos=False, seed=1)
 
     def out_of_vocabulary(views):
         cache = views[0].new_cache()
@@ -286,7 +286,7 @@ def test_a_dead_scheduler_thread_fails_waiting_queued_and_new_jobs(llm):
             raise _Fatal("the loop's thread is gone")
 
     scheduler = Scheduler((Fatal(), llm.draft), max_running=1)
-    request = llm.plan("w1 w2", method="ar", max_new_tokens=4)
+    request = llm.request("w1 w2", method="ar", max_new_tokens=4)
     try:
         assert scheduler.alive
         waiting = scheduler.submit(llm.job(request))

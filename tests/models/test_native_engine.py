@@ -130,6 +130,7 @@ def test_the_runner_leaves_ragged_too_wide_and_too_long_batches_to_the_eager_pat
 @pytest.mark.parametrize("method", ["ar", "sd", "smc"])
 def test_graphs_give_the_same_tokens_for_a_seed(method):
     """Graphs against eager through the decoders: identical tokens for a fixed seed."""
+
     def llm(**kw):
         target = NativeCausalLM(model("reference"), {0}, 128, 4, **kw)
         draft = NativeCausalLM(model("reference"), {0}, 128, 4, **kw)  # same weights: a close draft

@@ -88,10 +88,14 @@ def test_request_defaults_are_the_engines_resolved_per_request():
     server = Server(LLM.from_models(target, perturbed_lm(target, 2, 0.5)), ServeDefaults("m"))
     try:
         (sd,) = server.plan(CompletionRequest(model="m", prompt=[1, 2]), [[1, 2]], "prompt")
-        assert (sd.plan.method, sd.plan.sd.draft_tokens, sd.plan.max_length()) == ("sd", 4, 134)
+        assert (sd.plan.method, sd.plan.decoding.draft_tokens, sd.plan.max_length()) == (
+            "sd",
+            4,
+            134,
+        )
         body = CompletionRequest(model="m", prompt=[1, 2], power_alpha=2.0)
         (smc,) = server.plan(body, [[1, 2]], "prompt")
-        assert (smc.plan.method, smc.plan.smc.particles, smc.plan.smc.draft_tokens) == (
+        assert (smc.plan.method, smc.plan.decoding.particles, smc.plan.decoding.draft_tokens) == (
             "smc",
             2,
             8,

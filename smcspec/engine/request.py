@@ -1,0 +1,133 @@
+"""A checked generation request, and the potentials a request can ask for.
+
+A `Request` carries typed settings: the decoding config (`ARConfig`, `SDConfig` or `SMCConfig`,
+whose type picks the decoder), the sampling config, an optional potential, the resolved seed and
+the stop strings. `LLM.plan` builds one from those configs; `LLM.request` from the keywords
+`generate` takes (`settings_from_keywords`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from smcspec.config import (
+    ARConfig,
+    DecodingConfig,
+    SamplingConfig,
+    SMCConfig,
+    decoding_config,
+    lookahead,
+    method_of,
+    resolve_method,
+)
+from smcspec.potentials import Constraint, Potential, Power, Product, Reward
+
+if TYPE_CHECKING:
+    from smcspec.engine.llm import LLM
+
+
+@dataclass(frozen=True)
+class Request:
+    """One checked generation request: the prompt's token ids and every decoding setting."""
+
+    prompt_ids: list[int]
+    decoding: DecodingConfig
+    sampling: SamplingConfig
+    potential: Potential | None
+    seed: int
+    stops: tuple[str, ...] = ()
+
+    @property
+    def method(self) -> str:
+        return method_of(self.decoding)
+
+    def kv_rows(self) -> tuple[int, int]:
+        """Sequences this request keeps in the target's and the draft's KV cache."""
+        if isinstance(self.decoding, SMCConfig):
+            return self.decoding.particles, self.decoding.particles
+        return (1, 0) if isinstance(self.decoding, ARConfig) else (1, 1)
+
+    def max_length(self) -> int:
+        """The longest a sequence can get: prompt, new tokens, and a round of drafts past them."""
+        return len(self.prompt_ids) + self.sampling.max_new_tokens + lookahead(self.decoding)
+
+
+def settings_from_keywords(
+    method: str | None,
+    potential: Potential | None,
+    particles: int | None = None,
+    draft_tokens: int | None = None,
+    resample_threshold: float = SMCConfig.resample_threshold,
+    resampling: str = SMCConfig.resampling,
+    temperature: float = SamplingConfig.temperature,
+    draft_temperature: float | None = None,
+    top_k: int = SamplingConfig.top_k,
+    top_p: float = SamplingConfig.top_p,
+    max_new_tokens: int = SamplingConfig.max_new_tokens,
+    stop_at_eos: bool = SamplingConfig.stop_at_eos,
+    seed: int | None = None,
+    allow_large: bool = False,
+) -> tuple[DecodingConfig, SamplingConfig]:
+    """The typed configs of `generate`'s keywords. `method` None: sd, or smc with a potential;
+    `particles` / `draft_tokens` None: each method's own default."""
+    method = resolve_method(method, potential is not None)
+    sampling = SamplingConfig(
+        temperature, top_k, top_p, max_new_tokens, stop_at_eos, seed, draft_temperature
+    )
+    decoding = decoding_config(
+        method, particles, draft_tokens, resample_threshold, resampling, allow_large
+    )
+    return decoding, sampling
+
+
+def build_potential(
+    llm: LLM,
+    power_alpha: float | None = None,
+    regex: str | None = None,
+    json_schema: str | dict | None = None,
+    grammar: str | None = None,
+    reward: Callable[[str], float] | None = None,
+    reward_beta: float = 1.0,
+    reward_every: int | None = None,
+    extra: Potential | None = None,
+) -> Potential | None:
+    """The product of the potentials asked for, or None: power, one constraint (a regex, a JSON
+    schema or a Lark grammar, compiled against `llm`'s tokenizer), a reward of the decoded text,
+    and any potential object (`extra`)."""
+    parts: list[Potential] = []
+    if power_alpha is not None:
+        parts.append(Power(power_alpha))
+    texts = {"regex": regex, "json_schema": json_schema, "grammar": grammar}
+    if sum(v is not None for v in texts.values()) > 1:
+        raise ValueError("give at most one of regex, json_schema and grammar")
+    for kind, text in texts.items():
+        if text is None:
+            continue
+        if llm.tokenizer is None:
+            raise ValueError(f"{kind} needs a tokenizer (this LLM has none)")
+        build = {"regex": Constraint.regex, "json_schema": Constraint.json_schema}
+        make = build.get(kind, Constraint.lark)
+        parts.append(make(text, _guidance_tokenizer(llm), llm.target.vocab_size))
+    if reward is not None:
+        if not callable(reward):
+            raise ValueError(f"reward must be a function of the text, got {reward!r}")
+        decode = llm.decode_text
+        parts.append(Reward(lambda ids, final: reward(decode(ids)), reward_beta, reward_every))
+    if extra is not None:
+        parts.append(extra)
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else Product(parts)
+
+
+def _guidance_tokenizer(llm: LLM) -> Any:
+    """llguidance's view of the tokenizer, built once (a second for a 152k vocabulary)."""
+    if getattr(llm, "_ll_tokenizer", None) is None:  # made on first use, kept on the LLM
+        import llguidance.hf
+
+        llm._ll_tokenizer = llguidance.hf.from_tokenizer(
+            llm.tokenizer, n_vocab=llm.target.vocab_size
+        )
+    return llm._ll_tokenizer

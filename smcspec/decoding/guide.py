@@ -76,10 +76,10 @@ class Guide:
         self.states = []
         release_heap()
 
-    def reorder(self, source: torch.Tensor) -> None:
-        """Resampling: particle j becomes a copy of particle source[j]."""
-        self.states = [self.potential.copy(self.states[int(a)]) for a in source]
-        self.value = self.value[source]
+    def reorder(self, ancestors: torch.Tensor) -> None:
+        """Resampling: particle j becomes a copy of particle ancestors[j]."""
+        self.states = [self.potential.copy(self.states[int(a)]) for a in ancestors]
+        self.value = self.value[ancestors]
 
 
 def release_heap() -> None:

@@ -81,6 +81,59 @@ class Population:
         head = prompt[None].expand(live.numel(), -1)
         return torch.cat([head, self.tokens[live, : self.generated]], dim=1)
 
+    def collapses_with(self, increment: torch.Tensor) -> bool:
+        """Whether adding the live particles' log-weight terms [B] leaves every weight zero."""
+        log_w = self.log_w.clone()
+        log_w[self.live] += increment.double()
+        return bool(torch.isneginf(log_w).all())
+
+    def reweight(self, increment: torch.Tensor) -> None:
+        """log w_i += the round's terms [B] of each live particle i (before `extend`, which may
+        finish some)."""
+        self.log_w[self.live] += increment.double()
+
+    def extend(self, block: torch.Tensor, kept: torch.Tensor, ended: torch.Tensor) -> None:
+        """Append block [B, k + 1] to the live particles: row b keeps its first kept[b] tokens
+        and is finished where ended[b] (it emitted EOS)."""
+        live, g = self.live, self.generated
+        self.tokens[live, g : g + block.shape[1]] = block
+        self.lengths[live] = g + kept
+        self.finished[live] = ended
+        self.generated = g + block.shape[1]
+
+    def resample(self, ancestors: torch.Tensor) -> None:
+        """Particle i becomes a copy of particle ancestors[i] [N]; log Z-hat takes the mean
+        weight, and the weights reset to uniform."""
+        self.log_z += particles.log_mean_weight(self.log_w)
+        self.tokens = self.tokens[ancestors]
+        self.lengths = self.lengths[ancestors]
+        self.finished = self.finished[ancestors]
+        self.log_w = torch.zeros_like(self.log_w)
+        self.resamples += 1
+
+    def finish(self) -> torch.Tensor:
+        """Close log Z-hat with the last weights' mean; the normalized weights W [N] (all zero
+        when every particle died)."""
+        self.log_z += particles.log_mean_weight(self.log_w)
+        if torch.isneginf(self.log_w).all():
+            return torch.zeros_like(self.log_w)
+        return particles.normalize(self.log_w)
+
+
+def weigh(
+    block: torch.Tensor, log_ratio: torch.Tensor, eos: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tokens of block [B, k + 1] that count (up to and including the first EOS), as
+    (log-weight increment: the sum of their terms log_ratio [B, k + 1]; how many [B]; whether
+    the row ended [B])."""
+    b, width = block.shape
+    is_eos = torch.isin(block, eos)
+    ended = is_eos.any(dim=1)
+    first_eos = torch.where(ended, is_eos.float().argmax(dim=1), torch.full((b,), width - 1))
+    counted = torch.arange(width)[None, :] <= first_eos[:, None]  # [B, k + 1]
+    zero = torch.zeros((), dtype=log_ratio.dtype)
+    return torch.where(counted, log_ratio, zero).sum(dim=1), first_eos + 1, ended
+
 
 class SMCDecoder:
     """SMC-SD towards p, or towards p(x) phi(x) / Z with a potential phi (see `guide`)."""
@@ -143,9 +196,7 @@ class SMCDecoder:
                     break
         if guide is not None:
             self._finish_potential(pop, guide)
-        pop.log_z += particles.log_mean_weight(pop.log_w)
-        all_dead = bool(torch.isneginf(pop.log_w).all())
-        weights = particles.normalize(pop.log_w) if not all_dead else torch.zeros(n).double()
+        weights = pop.finish()
         choice = self._draw_answer(weights, generator)
         seconds, split = clock.finish()
         all_tokens = [pop.tokens[i, : pop.lengths[i]].tolist() for i in range(n)]
@@ -206,15 +257,18 @@ class SMCDecoder:
                 )
             # The round's one host sync: the bookkeeping below runs on the host.
             drafts, bonus, log_ratio = drafts.cpu(), bonus.cpu(), log_ratio.cpu()
-        log_w_before, g0 = pop.log_w.clone(), pop.generated
         rows_before = pop.live
-        self._commit(pop, drafts, bonus, log_ratio, s)
-        if guide is not None:
-            self._advance_potential(pop, guide, ids, drafts, bonus, s)
-        elif torch.isneginf(pop.log_w).all():
-            self._exact_step(pop, rows_before, log_w_before, g0, logp[:, 0], s, generator)
+        block = torch.cat([drafts, bonus[:, None]], dim=1)  # [B, k + 1]
+        increment, kept, ended = self._weigh(block, log_ratio, s)  # [B] each
+        if guide is None and pop.collapses_with(increment):
+            self._exact_step(pop, logp[:, 0], s, generator)
             for cache in caches:
                 rollback(cache, prompt.numel() + pop.generated)
+        else:
+            pop.reweight(increment)
+            pop.extend(block, kept, ended)
+            if guide is not None:
+                self._advance_potential(pop, guide, ids, drafts, bonus, s)
         with clock.stage("resample"):
             self._maybe_resample(pop, rows_before, caches, generator, guide)
 
@@ -316,51 +370,24 @@ class SMCDecoder:
         ids = sorted(self.target.eos_token_ids) if s.stop_at_eos else []
         return torch.tensor(ids, dtype=torch.long)
 
-    def _commit(
-        self,
-        pop: Population,
-        drafts: torch.Tensor,
-        bonus: torch.Tensor,
-        log_ratio: torch.Tensor,
-        s: SamplingConfig,
-    ) -> None:
-        """Append drafts [B, k] + bonus [B] to the live particles; add the log weight terms
-        [B, k + 1] of the tokens up to and including the first EOS."""
-        live = pop.live
-        b, k = drafts.shape
-        block = torch.cat([drafts, bonus[:, None]], dim=1)  # [B, k + 1]
-        is_eos = torch.isin(block, self._eos(s))
-        has_eos = is_eos.any(dim=1)
-        first_eos = torch.where(has_eos, is_eos.float().argmax(dim=1), torch.full((b,), k))
-        counted = torch.arange(k + 1)[None, :] <= first_eos[:, None]  # [B, k + 1]
-        zero = torch.zeros((), dtype=log_ratio.dtype)
-        increment = torch.where(counted, log_ratio, zero).sum(dim=1)
-        g = pop.generated
-        pop.tokens[live, g : g + k + 1] = block
-        pop.lengths[live] = g + first_eos + 1
-        pop.finished[live] = has_eos
-        pop.log_w[live] += increment.double()
-        pop.generated = g + k + 1
+    def _weigh(
+        self, block: torch.Tensor, log_ratio: torch.Tensor, s: SamplingConfig
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`weigh` under this request's EOS set."""
+        return weigh(block, log_ratio, self._eos(s))
 
     def _exact_step(
         self,
         pop: Population,
-        live: torch.Tensor,
-        log_w_before: torch.Tensor,
-        g0: int,
         logp_first: torch.Tensor,
         s: SamplingConfig,
         generator: torch.Generator,
     ) -> None:
-        """Every weight hit zero: undo the round and give each live particle (rows `live`, which
-        had g0 tokens) one token drawn exactly from p, at no weight."""
+        """The round would leave every weight zero: instead of it, each live particle gets one
+        token drawn exactly from p (logp_first [B, V]), at no weight."""
         pop.collapses += 1
-        pop.log_w = log_w_before
         token = sampling.sample(logp_first, generator).cpu()  # [B]
-        pop.tokens[live, g0] = token
-        pop.lengths[live] = g0 + 1
-        pop.finished[live] = torch.isin(token, self._eos(s))
-        pop.generated = g0 + 1
+        pop.extend(token[:, None], torch.ones_like(token), torch.isin(token, self._eos(s)))
 
     def _maybe_resample(
         self,
@@ -377,20 +404,15 @@ class SMCDecoder:
         n = pop.log_w.numel()
         ess = particles.ess(pop.log_w)
         pop.ess_history.append(ess)
-        source = torch.arange(n)
+        ancestors = torch.arange(n)
         if ess < self.config.resample_threshold * n:
-            pop.log_z += particles.log_mean_weight(pop.log_w)
-            source = particles.resample(pop.log_w, self.config.resampling, generator)
-            pop.tokens = pop.tokens[source]
-            pop.lengths = pop.lengths[source]
-            pop.finished = pop.finished[source]
-            pop.log_w = torch.zeros(n, dtype=torch.float64)
-            pop.resamples += 1
+            ancestors = particles.resample(pop.log_w, self.config.resampling, generator)
+            pop.resample(ancestors)
             if guide is not None:
-                guide.reorder(source)
+                guide.reorder(ancestors)
         row_of = torch.full((n,), -1, dtype=torch.long)
         row_of[rows_before] = torch.arange(rows_before.numel())
-        rows = row_of[source[~pop.finished]]
+        rows = row_of[ancestors[~pop.finished]]
         assert (rows >= 0).all(), "a live particle must descend from a cached row"
         if rows.numel() != rows_before.numel() or not torch.equal(rows, torch.arange(rows.numel())):
             for cache in caches:

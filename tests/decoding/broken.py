@@ -32,8 +32,8 @@ class NoDraftCorrection(SMCDecoder):
 class WrongWeightSign(SMCDecoder):
     """The incremental weight is q / p instead of p / q."""
 
-    def _commit(self, pop, drafts, bonus, log_ratio, s):
-        super()._commit(pop, drafts, bonus, -log_ratio, s)
+    def _weigh(self, block, log_ratio, s):
+        return super()._weigh(block, -log_ratio, s)
 
 
 class UniformFinalDraw(SMCDecoder):

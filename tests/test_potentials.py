@@ -115,7 +115,7 @@ def test_smc_converges_to_the_exact_conditional_and_masking_does_not(pair, token
         for r in range(runs):
             out = dec.decode(PROMPT, CFG, g)
             assert tuple(out.tokens) in index  # every output is in the language
-            for tokens, w in zip(out.particles, out.stats["weights"], strict=True):
+            for tokens, w in zip(out.particles, out.stats.weights, strict=True):
                 if w > 0:
                     m[r, index[tuple(tokens)]] += w
         measures.append(m)

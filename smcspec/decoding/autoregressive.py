@@ -7,6 +7,7 @@ import torch
 from smcspec import sampling
 from smcspec.config import SamplingConfig
 from smcspec.decoding.base import (
+    ARStats,
     DecodeResult,
     StageClock,
     Watch,
@@ -70,11 +71,10 @@ class AutoregressiveDecoder:
                     stopped = True
                     break
         seconds, split = clock.finish()
-        stats: dict = {"stopped": stopped}
+        stats = ARStats(stopped)
         if guide is not None:
-            complete = not dead_end and (
+            stats.complete = not dead_end and (
                 bool(new and new[-1] in self.target.eos_token_ids and sampling_cfg.stop_at_eos)
                 or guide.end(0) == 0.0
             )
-            stats["complete"] = complete
         return DecodeResult(new, len(new), seconds, split, stats)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -17,18 +17,62 @@ STAGES = ("prefill", "draft", "verify", "resample", "other")
 
 
 @dataclass
+class Stats:
+    """A method's own figures. `to_dict` gives the keys they have in `diagnostics` (and JSON);
+    a field named in `_omit_unset` is left out while None (it exists only with a potential)."""
+
+    _omit_unset: ClassVar[tuple[str, ...]] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {k: v for k, v in out.items() if not (k in self._omit_unset and v is None)}
+
+
+@dataclass
+class ARStats(Stats):
+    stopped: bool  # a watch (a stop string, a hang-up) ended decoding
+    complete: bool | None = None  # with a potential: the constraint was met
+    _omit_unset = ("complete",)
+
+
+@dataclass
+class SDStats(Stats):
+    stopped: bool
+    proposed_tokens: int  # drafts checked (up to and including each round's first rejection)
+    accepted_tokens: int
+    # None, not NaN, when nothing was drafted (max_new_tokens = 1): JSON has no NaN.
+    acceptance_rate: float | None  # accepted / proposed
+    mean_accepted_length: float | None  # accepted drafts per round
+    tokens_per_round: float | None  # committed tokens per round
+
+
+@dataclass
+class SMCStats(Stats):
+    stopped: bool
+    ess: list[float]  # effective sample size after each round
+    resamples: int
+    collapses: int  # rounds replaced by an exact step (every weight zero)
+    weights: list[float]  # final normalized weights W_i
+    log_z_hat: float
+    chosen_particle: int
+    valid_particles: int | None = None  # with a potential: particles of nonzero weight
+    potential_errors: list[str] | None = None  # with a potential: what raised, at most 10
+    _omit_unset = ("valid_particles", "potential_errors")
+
+
+@dataclass
 class DecodeResult:
     """Generated token ids (EOS included when it ended the sequence) and diagnostics.
 
-    `stats` holds the method's own figures (acceptance for sd; ESS, resamples, weights, log Z-hat
-    for smc). `particles` holds every final particle's tokens for smc.
+    `stats` holds the method's own figures (`ARStats`, `SDStats`, `SMCStats`). `particles`
+    holds every final particle's tokens for smc.
     """
 
     tokens: list[int]
     rounds: int
     seconds: float
     stage_seconds: dict[str, float]
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: Stats
     particles: list[list[int]] | None = None
 
     @property

@@ -25,6 +25,7 @@ from smcspec.config import SamplingConfig, SMCConfig
 from smcspec.decoding import particles
 from smcspec.decoding.base import (
     DecodeResult,
+    SMCStats,
     StageClock,
     Watch,
     check_prompt,
@@ -200,18 +201,18 @@ class SMCDecoder:
         choice = self._draw_answer(weights, generator)
         seconds, split = clock.finish()
         all_tokens = [pop.tokens[i, : pop.lengths[i]].tolist() for i in range(n)]
-        stats = {
-            "stopped": stopped,
-            "ess": pop.ess_history,
-            "resamples": pop.resamples,
-            "collapses": pop.collapses,
-            "weights": weights.tolist(),
-            "log_z_hat": pop.log_z,
-            "chosen_particle": choice,
-        }
+        stats = SMCStats(
+            stopped=stopped,
+            ess=pop.ess_history,
+            resamples=pop.resamples,
+            collapses=pop.collapses,
+            weights=weights.tolist(),
+            log_z_hat=pop.log_z,
+            chosen_particle=choice,
+        )
         if guide is not None:
-            stats["valid_particles"] = int((~torch.isneginf(pop.log_w)).sum())
-            stats["potential_errors"] = guide.errors[:10]
+            stats.valid_particles = int((~torch.isneginf(pop.log_w)).sum())
+            stats.potential_errors = guide.errors[:10]
         return DecodeResult(all_tokens[choice], rounds, seconds, split, stats, all_tokens)
 
     def _draw_answer(self, weights: torch.Tensor, generator: torch.Generator) -> int:

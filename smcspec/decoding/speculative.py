@@ -14,6 +14,7 @@ from smcspec import sampling
 from smcspec.config import SamplingConfig, SDConfig
 from smcspec.decoding.base import (
     DecodeResult,
+    SDStats,
     StageClock,
     Watch,
     check_prompt,
@@ -69,15 +70,14 @@ class SpeculativeDecoder:
                 if not done and watch is not None and watch(new):
                     stopped = done = True
         seconds, split = clock.finish()
-        stats = {
-            "stopped": stopped,
-            "proposed_tokens": proposed,
-            "accepted_tokens": accepted_total,
-            # None, not NaN, when nothing was drafted (max_new_tokens = 1): JSON has no NaN.
-            "acceptance_rate": accepted_total / proposed if proposed else None,
-            "mean_accepted_length": accepted_total / rounds if rounds else None,
-            "tokens_per_round": len(new) / rounds if rounds else None,
-        }
+        stats = SDStats(
+            stopped=stopped,
+            proposed_tokens=proposed,
+            accepted_tokens=accepted_total,
+            acceptance_rate=accepted_total / proposed if proposed else None,
+            mean_accepted_length=accepted_total / rounds if rounds else None,
+            tokens_per_round=len(new) / rounds if rounds else None,
+        )
         return DecodeResult(new, rounds, seconds, split, stats)
 
     def _propose(

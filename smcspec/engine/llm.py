@@ -337,7 +337,7 @@ class LLM:
             "rounds": result.rounds,
             "seed": request.seed,
         }
-        diagnostics.update(result.stats)
+        diagnostics.update(result.stats.to_dict())
         texts = None
         if result.particles is not None:
             texts = [self.decode_text(p) for p in result.particles]

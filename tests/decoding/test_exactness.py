@@ -77,7 +77,7 @@ def test_sd_drafts_all_k_tokens_in_the_long_cases(target, k):
     out = SpeculativeDecoder(target, target, SDConfig(k)).decode(
         PROMPT, cfg, torch.Generator().manual_seed(0)
     )
-    assert out.rounds == 1 and out.stats["proposed_tokens"] == k and len(out.tokens) == k + 1
+    assert out.rounds == 1 and out.stats.proposed_tokens == k and len(out.tokens) == k + 1
 
 
 def test_sd_is_exact_with_a_near_draft(target, near_draft):

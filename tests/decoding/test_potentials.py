@@ -90,7 +90,7 @@ def weighted_measures(target, draft, potential, n, seed, index, cls=SMCDecoder):
     out_measures = np.zeros((R, len(index)))
     for r in range(R):
         out = dec.decode(PROMPT, CFG, g)
-        for tokens, w in zip(out.particles, out.stats["weights"], strict=True):
+        for tokens, w in zip(out.particles, out.stats.weights, strict=True):
             if w > 0:
                 out_measures[r, index[tuple(tokens)]] += w
     return out_measures
@@ -153,8 +153,8 @@ def z_hats(decoder_cls, target, draft, potential, runs=4000, index=None):
     scaled = np.zeros((runs, len(index or ())))
     for r in range(runs):
         out = dec.decode(PROMPT, CFG, g)
-        zs[r] = math.exp(out.stats["log_z_hat"])
-        for tokens, w in zip(out.particles, out.stats["weights"], strict=True):
+        zs[r] = math.exp(out.stats.log_z_hat)
+        for tokens, w in zip(out.particles, out.stats.weights, strict=True):
             if index is not None and w > 0:
                 scaled[r, index[tuple(tokens)]] += zs[r] * w
     return (zs, scaled) if index is not None else zs
@@ -228,9 +228,9 @@ def test_a_reward_that_raises_on_one_particle_keeps_the_others(pair):
     dec = SMCDecoder(target, draft, SMCConfig(8, 2, 0.5), Reward(picky))
     out = dec.decode(PROMPT, CFG, torch.Generator().manual_seed(0))
     bad = [i for i, x in enumerate(out.particles) if x and x[0] == 2]
-    assert bad and out.stats["potential_errors"]
-    assert all(out.stats["weights"][i] == 0 for i in bad)
-    assert out.stats["valid_particles"] == 8 - len(bad) > 0
+    assert bad and out.stats.potential_errors
+    assert all(out.stats.weights[i] == 0 for i in bad)
+    assert out.stats.valid_particles == 8 - len(bad) > 0
     assert out.tokens[:1] != [2]
 
 

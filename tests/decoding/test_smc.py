@@ -91,12 +91,12 @@ def decode_runs(
     out = Runs(np.zeros((runs, len(index))), np.zeros(runs), np.zeros(runs), Counter())
     for r in range(runs):
         result = dec.decode(PROMPT, cfg, g)
-        for tokens, w in zip(result.particles, result.stats["weights"], strict=True):
+        for tokens, w in zip(result.particles, result.stats.weights, strict=True):
             if w == 0:  # a draft outside p's support (top-k / top-p): not in the law
                 continue
             out.measures[r, index[tuple(tokens)]] += w
             out.lengths[r] += w * len(tokens)
-        out.z_hat[r] = math.exp(result.stats["log_z_hat"])
+        out.z_hat[r] = math.exp(result.stats.log_z_hat)
         out.returned[tuple(result.tokens)] += 1
     return out
 
@@ -331,10 +331,10 @@ def test_draft_equal_to_target_keeps_uniform_weights():
         out = dec.decode(
             PROMPT, SamplingConfig(1.0, max_new_tokens=9), torch.Generator().manual_seed(seed)
         )
-        assert out.stats["resamples"] == 0
-        assert out.stats["ess"] == [pytest.approx(8.0)] * out.rounds
-        assert out.stats["weights"] == [pytest.approx(1 / 8)] * 8
-        assert out.stats["log_z_hat"] == pytest.approx(0.0, abs=1e-9)
+        assert out.stats.resamples == 0
+        assert out.stats.ess == [pytest.approx(8.0)] * out.rounds
+        assert out.stats.weights == [pytest.approx(1 / 8)] * 8
+        assert out.stats.log_z_hat == pytest.approx(0.0, abs=1e-9)
 
 
 def test_every_round_commits_k_plus_one_tokens(pair):
@@ -373,7 +373,7 @@ def test_total_collapse_falls_back_to_an_exact_step():
         PROMPT, cfg, torch.Generator().manual_seed(0)
     )
     assert greedy == {tuple(out.tokens): pytest.approx(1.0)}
-    assert out.stats["collapses"] > 0
+    assert out.stats.collapses > 0
 
 
 def test_seed_reproduces_smc_exactly(pair):

@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from smcspec import LLM
 from smcspec.engine import check_same_tokenizer
@@ -328,3 +329,40 @@ def test_plan_takes_typed_configs_whose_type_picks_the_decoder(llm):
         llm.plan([1], "smc")
     with pytest.raises(TypeError, match=r"generate\(\) got an unexpected keyword"):
         llm.generate([1], particle=3)
+
+
+def test_each_method_reports_typed_stats_under_the_same_json_keys(llm):
+    """The decoders' figures are dataclasses (ARStats, SDStats, SMCStats); diagnostics carry
+    them under the keys they always had, the potential-only ones only with a potential."""
+    from smcspec.decoding import ARStats, SDStats, SMCStats
+
+    common = {"tokens_per_second", "new_tokens", "prompt_tokens", "seconds", "time_split"}
+    common |= {"rounds", "seed"}
+    smc = {"stopped", "ess", "resamples", "collapses", "weights", "log_z_hat", "chosen_particle"}
+    expected = {
+        ("ar", False): {"stopped"},
+        ("ar", True): {"stopped", "complete"},
+        ("sd", False): {"stopped", "proposed_tokens", "accepted_tokens", "acceptance_rate"}
+        | {"mean_accepted_length", "tokens_per_round"},
+        ("smc", False): smc,
+        ("smc", True): smc | {"valid_particles", "potential_errors"},
+    }
+    for (method, power), keys in expected.items():
+        extra = {"power_alpha": 2.0} if power else {}
+        out = llm.generate([1, 2], method, max_new_tokens=4, seed=0, **extra)
+        assert set(out.diagnostics) == common | keys, (method, power)
+    request = llm.request([1, 2], "sd", max_new_tokens=1, seed=0)
+    assert isinstance(llm.run(request).diagnostics["acceptance_rate"], type(None))
+    assert {ARStats, SDStats, SMCStats} == {type(s) for s in _stats(llm)}
+
+
+def _stats(llm):
+    from smcspec.engine.llm import make_decoder
+
+    out = []
+    for method in ("ar", "sd", "smc"):
+        request = llm.request([1, 2], method, max_new_tokens=3, seed=0)
+        decoder = make_decoder(request.decoding, llm.target, llm.draft, None)
+        result = decoder.decode(request.prompt_ids, request.sampling, torch.Generator())
+        out.append(result.stats)
+    return out

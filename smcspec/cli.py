@@ -261,7 +261,7 @@ def _generate(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_dict()))
     else:
         print(result.text)
-        print(summary(result.method, result.diagnostics, result.finish_reason), file=sys.stderr)
+        print(summary(result), file=sys.stderr)
     return 0
 
 
@@ -352,36 +352,40 @@ def load_function(spec: str):
     return fn
 
 
-def summary(method: str, d: dict, finish_reason: str | None = None) -> str:
+def summary(result) -> str:
+    """One line for stderr: speed, time split, the method's own figures, finish and seed."""
+    from smcspec.decoding import SDStats, SMCStats
+
+    d, stats = result.diagnostics, result.stats
     split = d["time_split"]
     parts = [
-        f"[{method}] {d['new_tokens']} tokens in {d['seconds']:.2f} s"
+        f"[{result.method}] {d['new_tokens']} tokens in {d['seconds']:.2f} s"
         f" = {d['tokens_per_second']:.2f} tok/s",
         f"rounds {d['rounds']}",
         "time prefill/draft/verify/resample/other "
         + "/".join(f"{split[k]:.2f}" for k in ("prefill", "draft", "verify", "resample", "other"))
         + " s",
     ]
-    if method == "sd":
+    if isinstance(stats, SDStats) and stats.acceptance_rate is not None:  # None: no draft
         parts.append(
-            f"acceptance {d['acceptance_rate']:.2f}, accepted/round {d['mean_accepted_length']:.2f}"
+            f"acceptance {stats.acceptance_rate:.2f}, "
+            f"accepted/round {stats.mean_accepted_length:.2f}"
         )
-    if method == "smc":
-        ess = d["ess"]
+    if isinstance(stats, SMCStats):
+        ess = stats.ess
         mean_ess = sum(ess) / len(ess) if ess else float("nan")
         parts.append(
-            f"N {len(d['weights'])}, mean ESS {mean_ess:.2f}, resamples {d['resamples']}, "
-            f"log Z-hat {d['log_z_hat']:.3f}"
+            f"N {len(stats.weights)}, mean ESS {mean_ess:.2f}, resamples {stats.resamples}, "
+            f"log Z-hat {stats.log_z_hat:.3f}"
         )
-        if "valid_particles" in d:
-            parts.append(f"valid particles {d['valid_particles']}")
-            if d["valid_particles"] == 0:
+        if stats.valid_particles is not None:
+            parts.append(f"valid particles {stats.valid_particles}")
+            if stats.valid_particles == 0:
                 parts.append(
                     "WARNING: no particle satisfied the potentials; raise --particles or "
                     "--max-new-tokens"
                 )
-    if finish_reason is not None:
-        parts.append(f"finish {finish_reason}")
+    parts.append(f"finish {result.finish_reason}")
     parts.append(f"seed {d['seed']}")
     return " | ".join(parts)
 

@@ -275,3 +275,14 @@ def test_every_default_is_read_from_the_configs():
         assert args.temperature == sampling.temperature
         assert args.resample_threshold == smc.resample_threshold
     assert parser.parse_args(["bench", "speed"]).temperatures == str(sampling.temperature)
+
+
+def test_the_summary_line_reads_each_methods_typed_stats(tiny_llm):
+    """sd with nothing drafted (one new token) has no acceptance: the line says so instead of
+    failing; smc's line names its particles, ESS and log Z-hat."""
+    one = cli.summary(tiny_llm.generate("w1", "sd", max_new_tokens=1, seed=0))
+    assert one.startswith("[sd] 1 tokens") and "acceptance" not in one
+    sd = cli.summary(tiny_llm.generate("w1", "sd", max_new_tokens=6, seed=0, stop_at_eos=False))
+    assert "acceptance" in sd and "accepted/round" in sd
+    smc = cli.summary(tiny_llm.generate("w1", "smc", particles=3, max_new_tokens=4, seed=0))
+    assert "N 3, mean ESS" in smc and "log Z-hat" in smc and "seed 0" in smc

@@ -30,7 +30,7 @@ from smcspec.decoding import (
     SMCDecoder,
     SpeculativeDecoder,
 )
-from smcspec.decoding.base import Watch
+from smcspec.decoding.base import Stats, Watch
 from smcspec.engine.request import Request, build_potential, settings_from_keywords
 from smcspec.engine.scheduler import Job, Scheduler
 from smcspec.engine.text import TextStream, check_stops
@@ -42,7 +42,9 @@ from smcspec.potentials import Potential
 class GenerationResult:
     """The text (cut before the first stop string) and its tokens (up to the one that completed
     the stop string). `finish_reason` is "stop" (EOS or a stop string) or "length" (the
-    max_new_tokens limit). diagnostics["new_tokens"] counts every token decoded."""
+    max_new_tokens limit). diagnostics["new_tokens"] counts every token decoded. `stats` is the
+    method's own figures, typed (`ARStats`, `SDStats`, `SMCStats`); `diagnostics` holds them
+    serialised beside the common ones (time, tokens, rounds, seed), as JSON shows them."""
 
     text: str
     token_ids: list[int]
@@ -50,6 +52,7 @@ class GenerationResult:
     finish_reason: str
     diagnostics: dict[str, Any] = field(default_factory=dict)
     particle_texts: list[str] | None = None
+    stats: Stats | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {"text": self.text, "token_ids": self.token_ids, "method": self.method}
@@ -343,7 +346,9 @@ class LLM:
             texts = [self.decode_text(p) for p in result.particles]
         reason = self._finish_reason(result.tokens, request.sampling, text.stopped)
         tokens = result.tokens[: text.tokens_used]
-        return GenerationResult(text.sent, tokens, request.method, reason, diagnostics, texts)
+        return GenerationResult(
+            text.sent, tokens, request.method, reason, diagnostics, texts, result.stats
+        )
 
     def _finish_reason(self, tokens: list[int], sampling: SamplingConfig, stopped: bool) -> str:
         """OpenAI's finish reason: "stop" at EOS, a stop string or a watch's stop; "length" at

@@ -14,6 +14,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from smcspec.decoding import SDStats, SMCStats
+from smcspec.decoding.base import Stats
 from smcspec.models.base import PagedModel
 
 THROUGHPUT_WINDOW_S = 30.0
@@ -89,23 +91,22 @@ class ServerMetrics:
         self.requests.labels(self.model_name, endpoint, str(status)).inc()
 
     def record_choice(
-        self, method: str, new_tokens: int, finish_reason: str, diagnostics: dict[str, Any]
+        self, method: str, new_tokens: int, finish_reason: str, rounds: int, stats: Stats | None
     ) -> None:
-        """One finished choice: its tokens, why it ended, and its method's diagnostics."""
+        """One finished choice: its tokens, why it ended, its rounds and its method's figures."""
         self.tokens.labels(self.model_name, method).inc(new_tokens)
         self.finished.labels(self.model_name, finish_reason).inc()
         with self._lock:
             self._recent.append((time.monotonic(), new_tokens))
-        if method == "sd":
-            self.sd_drafts.inc(diagnostics.get("rounds", 0))
-            self.sd_draft_tokens.inc(diagnostics.get("proposed_tokens", 0))
-            self.sd_accepted.inc(diagnostics.get("accepted_tokens", 0))
-        if method == "smc":
-            n = len(diagnostics.get("weights", [])) or 1
-            ess = diagnostics.get("ess", [])
-            self.smc_rounds.inc(len(ess))
-            self.smc_resamples.inc(diagnostics.get("resamples", 0))
-            for value in ess:
+        if isinstance(stats, SDStats):
+            self.sd_drafts.inc(rounds)
+            self.sd_draft_tokens.inc(stats.proposed_tokens)
+            self.sd_accepted.inc(stats.accepted_tokens)
+        if isinstance(stats, SMCStats):
+            n = len(stats.weights) or 1
+            self.smc_rounds.inc(len(stats.ess))
+            self.smc_resamples.inc(stats.resamples)
+            for value in stats.ess:
                 self.smc_ess.observe(value / n)
 
     def recent_tokens_per_second(self) -> float:

@@ -280,7 +280,8 @@ class Server:
     def finish(self, result: GenerationResult, particles: bool) -> dict:
         """The finish reason, the token count and the diagnostics of a finished choice."""
         used = len(result.token_ids)
-        self.metrics.record_choice(result.method, used, result.finish_reason, result.diagnostics)
+        rounds = result.diagnostics["rounds"]
+        self.metrics.record_choice(result.method, used, result.finish_reason, rounds, result.stats)
         extra: dict[str, Any] = {"method": result.method, "diagnostics": result.diagnostics}
         if particles and result.particle_texts is not None:
             weights = result.diagnostics.get("weights", [])

@@ -276,6 +276,8 @@ class _Fatal(BaseException):
 
 
 def test_a_dead_scheduler_thread_fails_waiting_queued_and_new_jobs(llm):
+    go = threading.Event()  # the loop dies only once both jobs are in (else a race)
+
     class Fatal:
         vocab_size, eos_token_ids = llm.target.vocab_size, llm.target.eos_token_ids
 
@@ -283,6 +285,7 @@ def test_a_dead_scheduler_thread_fails_waiting_queued_and_new_jobs(llm):
             return llm.target.new_cache()
 
         def forward(self, tokens, cache, num_logits):
+            go.wait(timeout=20)
             raise _Fatal("the loop's thread is gone")
 
     scheduler = Scheduler((Fatal(), llm.draft), max_running=1)
@@ -291,6 +294,7 @@ def test_a_dead_scheduler_thread_fails_waiting_queued_and_new_jobs(llm):
         assert scheduler.alive
         waiting = scheduler.submit(llm.job(request))
         queued = scheduler.submit(llm.job(request))  # max_running=1: it waits in the queue
+        go.set()
         for job in (waiting, queued):
             with pytest.raises(RuntimeError, match="scheduler thread died"):
                 job.future.result(timeout=20)  # bounded: before the fix this hung for ever

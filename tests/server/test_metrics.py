@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from smcspec.bench.serving import parse_metrics
+from smcspec.decoding import ARStats, SDStats, SMCStats
 from smcspec.server.metrics import ServerMetrics
 
 
@@ -36,10 +37,8 @@ def buckets(text: str, name: str) -> dict[float, float]:
 def test_names_follow_vllm_and_every_sample_has_the_model_name(metrics):
     metrics.count_request("/v1/completions", 200)
     metrics.prompt_tokens.inc(5)
-    metrics.record_choice(
-        "sd", 12, "stop", {"rounds": 4, "proposed_tokens": 10, "accepted_tokens": 7}
-    )
-    metrics.record_choice("ar", 8, "length", {})
+    metrics.record_choice("sd", 12, "stop", 4, SDStats(False, 10, 7, 0.7, 1.75, 3.0))
+    metrics.record_choice("ar", 8, "length", 8, ARStats(False))
     values = parse_metrics(metrics.render().decode())
     m = '{model_name="tiny"}'
     assert values[f"smcspec:num_requests_running{m}"] == 1
@@ -75,9 +74,8 @@ def test_latency_buckets_cover_minutes(metrics):
 
 
 def test_smc_metrics_are_kept(metrics):
-    metrics.record_choice(
-        "smc", 6, "stop", {"weights": [0.5, 0.5], "ess": [2.0, 1.0], "resamples": 1}
-    )
+    stats = SMCStats(False, [2.0, 1.0], 1, 0, [0.5, 0.5], 0.0, 0)
+    metrics.record_choice("smc", 6, "stop", 2, stats)
     values = parse_metrics(metrics.render().decode())
     m = '{model_name="tiny"}'
     assert values[f"smcspec:smc_rounds_total{m}"] == 2

@@ -10,7 +10,13 @@ from importlib import metadata
 from pathlib import Path
 
 from smcspec.bench.cli import add_parser as add_bench_parser
-from smcspec.cli_common import Help, add_model_options, command, llm_from_args
+from smcspec.cli_common import (
+    Help,
+    add_model_options,
+    add_resample_threshold,
+    command,
+    llm_from_args,
+)
 from smcspec.config import (
     MAX_PARTICLES,
     METHODS,
@@ -54,18 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--allow-large", action="store_true", help=f"allow more than {MAX_PARTICLES} particles"
     )
     gen.add_argument("-k", "--draft-tokens", type=int, default=None, help=K_HELP)
-    gen.add_argument(
-        "--resample-threshold",
-        type=float,
-        default=SMCConfig.resample_threshold,
-        help="resample when ESS < this x N",
-    )
-    gen.add_argument(
-        "--resampling",
-        choices=RESAMPLING_SCHEMES,
-        default=SMCConfig.resampling,
-        help="smc's scheme",
-    )
+    _add_resampling(gen)
     gen.add_argument(
         "--temperature",
         type=float,
@@ -128,6 +123,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_resampling(p: argparse.ArgumentParser) -> None:
+    add_resample_threshold(p)
+    p.add_argument(
+        "--resampling",
+        choices=RESAMPLING_SCHEMES,
+        default=SMCConfig.resampling,
+        help="smc's scheme",
+    )
+
+
 def _add_particles(p: argparse.ArgumentParser, what: str) -> None:
     # No -n: it means choices in OpenAI's API and tokens in llama.cpp.
     p.add_argument(
@@ -158,18 +163,7 @@ def _add_serve(sub) -> None:
     serve.add_argument(
         "-k", "--draft-tokens", type=int, default=None, help="K for requests; " + K_HELP
     )
-    serve.add_argument(
-        "--resample-threshold",
-        type=float,
-        default=SMCConfig.resample_threshold,
-        help="resample when ESS < this x N",
-    )
-    serve.add_argument(
-        "--resampling",
-        choices=RESAMPLING_SCHEMES,
-        default=SMCConfig.resampling,
-        help="smc's scheme",
-    )
+    _add_resampling(serve)
     serve.add_argument("--temperature", type=float, default=SERVER_TEMPERATURE, help="as OpenAI's")
     serve.add_argument(
         "--max-tokens",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from smcspec.config import SMCConfig
 from smcspec.models.loader import BACKENDS, DTYPES
 
 
@@ -75,4 +76,13 @@ def llm_from_args(args: argparse.Namespace, backend: str | None = None):
         cache_dir=args.cache_dir,
         backend=args.backend if backend is None else backend,
         enforce_eager=args.enforce_eager,
+    )
+
+
+def add_resample_threshold(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--resample-threshold",
+        type=float,
+        default=SMCConfig.resample_threshold,
+        help="resample when ESS < this x N",
     )

@@ -7,8 +7,13 @@ import sys
 from pathlib import Path
 
 from smcspec.bench.contenders import build_grid, parse_ints
-from smcspec.cli_common import add_model_options, command, llm_from_args
-from smcspec.config import SamplingConfig, SMCConfig
+from smcspec.cli_common import (
+    add_model_options,
+    add_resample_threshold,
+    command,
+    llm_from_args,
+)
+from smcspec.config import SamplingConfig
 
 T_DEFAULT = SamplingConfig.temperature
 
@@ -26,12 +31,7 @@ def _add_grid_options(p: argparse.ArgumentParser, methods: list[str], smc_n: str
     p.add_argument(
         "--smc-power", default="", help="also run each smc setting with Power(alpha), e.g. 2,4"
     )
-    p.add_argument(
-        "--resample-threshold",
-        type=float,
-        default=SMCConfig.resample_threshold,
-        help="resample when ESS < this x N",
-    )
+    add_resample_threshold(p)
     p.add_argument("--out", default="bench-results", help="folder for .jsonl, .md and .png files")
     p.add_argument("--seed", type=int, default=0, help="seed of the first run")
     add_model_options(p)

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from smcspec.bench import machine
+from smcspec.bench.engine import resample_timing
 from smcspec.bench.gpu_checks import check_correctness, check_triton, correctness
 from smcspec.bench.gpu_pairs import (
     PAIRS,
@@ -42,10 +44,9 @@ from smcspec.bench.gpu_pairs import (
 )
 from smcspec.bench.gpu_report import run_header, write_report
 from smcspec.bench.results import ResultLog
-from smcspec.engine import start_cache
+from smcspec.bench.roofline import time_forward
 from smcspec.engine.llm import LLM
 from smcspec.models.llama import LlamaConfig
-from smcspec.models.native import NativeCausalLM
 
 __all__ = [  # the names callers imported from here before the split
     "PAIRS",
@@ -60,49 +61,25 @@ __all__ = [  # the names callers imported from here before the split
 # ---- timing ---------------------------------------------------------------------------------
 
 
-def sync(device: torch.device | str) -> None:
-    """Wait for the device: on CUDA a clock read without it times kernel launches only."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn: Callable[[], Any], reps: int, device: torch.device | str) -> float:
-    """Median seconds of `reps` calls of fn after one untimed warm-up, the device drained
-    before each clock read."""
+def timed(fn: Callable[[], Any], reps: int) -> float:
+    """Median seconds of `reps` calls of fn after one untimed warm-up, the GPU drained before
+    each clock read (`machine.drain`)."""
     fn()
     times = []
     for _ in range(reps):
-        sync(device)
+        machine.drain()
         start = time.perf_counter()
         fn()
-        sync(device)
+        machine.drain()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-def time_forward(
-    model: NativeCausalLM, context: list[int], rows: int, tokens: int, reps: int
-) -> float:
-    """Median seconds of a forward of `tokens` new tokens in each of `rows` rows over a cache
-    holding `context` (cropped back after each call, so every call sees the same cache)."""
-    cache = start_cache(model, torch.tensor(context), rows=rows)
-    model.forward(torch.tensor([context[-1:]] * rows), cache, 1)  # the cache holds the context
-    length, feed = cache.length, torch.tensor([context[-tokens:]] * rows)  # [rows, tokens]
-
-    def step() -> None:
-        model.forward(feed, cache, tokens)
-        cache.crop(length)
-
-    seconds = timed(step, reps, model.device)
-    cache.release()
-    return seconds
 
 
 def copy_bandwidth(device: str, nbytes: int, reps: int) -> float:
     """Bytes per second a device-to-device copy moves (each byte read once, written once)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    seconds = timed(lambda: dst.copy_(src), max(3, reps), device)
+    seconds = timed(lambda: dst.copy_(src), max(3, reps))
     return 2 * nbytes / seconds
 
 
@@ -134,18 +111,6 @@ def round_ms(llm: LLM, context: list[int], plan: GpuPlan, n: int, k: int) -> flo
     """One speculative round: K draft steps at batch N and a verification of N x (K+1)."""
     draft = time_forward(llm.draft, context, n, 1, plan.reps)
     return 1e3 * (k * draft + time_forward(llm.target, context, n, k + 1, plan.reps))
-
-
-def resample_ms(llm: LLM, context: list[int], plan: GpuPlan) -> float:
-    """Median milliseconds of `cache.select` of N random ancestors among N particles holding
-    context + resample_tokens positions: page tables on the host, no KV copy."""
-    n, length = plan.resample_particles, plan.context + plan.resample_tokens
-    ids = (context * (length // len(context) + 1))[:length]
-    cache = start_cache(llm.target, torch.tensor(ids), rows=n)
-    g = torch.Generator().manual_seed(plan.seed)
-    seconds = timed(lambda: cache.select(torch.randint(0, n, (n,), generator=g)), plan.reps, "cpu")
-    cache.release()
-    return 1e3 * seconds
 
 
 def kv_memory(llm: LLM, prompt: list[int], plan: GpuPlan) -> dict[str, Any]:
@@ -191,7 +156,7 @@ def hf_generate(hf: Any, prompt: list[int], plan: GpuPlan) -> dict[str, float]:
             hf.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
 
     run(4)
-    seconds = timed(lambda: run(plan.new_tokens), 1, plan.device)
+    seconds = timed(lambda: run(plan.new_tokens), 1)
     return {"tokens_per_second": plan.new_tokens / seconds}
 
 
@@ -209,7 +174,8 @@ def run_pair(pair: Pair, plan: GpuPlan, log: ResultLog, deadline: float) -> list
         steps = {"pair": pair.name, "mode": mode, "ms": step_ms(llm, context, plan)}
         log.add(f"steps|{pair.name}|{mode}", steps)
         if graphs:  # the engine as it runs on a GPU
-            log.add(f"resample|{pair.name}", {"ms": resample_ms(llm, context, plan)})
+            # bench engine's timing: its plan fields are this plan's
+            log.add(f"resample|{pair.name}", {"ms": resample_timing(llm, context, plan)})
             log.add(f"kv|{pair.name}", kv_memory(llm, prompt, plan))
             log.add(f"sd-predicted|{pair.name}", sd_predicted(llm, context, plan))
         for method in plan.methods:

@@ -287,8 +287,8 @@ class SMCDecoder:
         which rows hit a dead end [B]. With a guide the proposal is the shaped law
         g = q^alpha mask / norm, and the guide's states follow the drafts up to an EOS."""
         b = seqs.shape[0]
-        tokens = [torch.zeros(b, 0, dtype=torch.long)]  # each [B, 1], on the draft's device
-        logq_x = [torch.zeros(b, 0, dtype=torch.float32)]
+        tokens: list[torch.Tensor] = []  # each [B], on the draft's device
+        logq_x: list[torch.Tensor] = []
         dead = torch.zeros(b, dtype=torch.bool)
         ended = torch.zeros(b, dtype=torch.bool)
         eos = self._eos(s)
@@ -303,16 +303,16 @@ class SMCDecoder:
                 dead |= torch.isneginf(norm) & ~ended
                 logq = torch.where((ended | dead)[:, None], logq, logg)
             x = sampling.sample(logq, generator)  # [B], stays on the device: no sync
-            tokens.append(x[:, None])
-            logq_x.append(sampling.pick(logq, x)[:, None])
+            tokens.append(x)
+            logq_x.append(sampling.pick(logq, x))
             if guide is not None:
                 is_eos = torch.isin(x, eos)
                 guide.advance(ids, x, ~ended & ~dead & ~is_eos)
                 ended |= is_eos
             feed = x[:, None]
-        if k > 0:  # the empty placeholders only give k = 0 its shape and device
-            tokens, logq_x = tokens[1:], logq_x[1:]
-        return torch.cat(tokens, dim=1), torch.cat(logq_x, dim=1), dead
+        if k == 0:  # no draft step: the empty drafts stay on the host
+            return torch.zeros(b, 0, dtype=torch.long), torch.zeros(b, 0), dead
+        return torch.stack(tokens, dim=1), torch.stack(logq_x, dim=1), dead
 
     def _guided_bonus(
         self,

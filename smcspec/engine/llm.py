@@ -261,10 +261,6 @@ class LLM:
         potential = self.build_potential(
             power_alpha, regex, json_schema, grammar, reward, reward_beta, reward_every, potential
         )
-        if potential is not None and method == "sd":
-            raise ValueError(
-                "sd targets p exactly by rejection and cannot take potentials; use smc (or ar)"
-            )
         try:
             decoding, sampling = settings_from_keywords(method, potential, **settings)
         except TypeError as err:  # an unknown keyword, named as the caller wrote it
@@ -312,21 +308,8 @@ class LLM:
             request.max_length(),
         )
 
-    def build_potential(
-        self,
-        power_alpha: float | None = None,
-        regex: str | None = None,
-        json_schema: str | dict | None = None,
-        grammar: str | None = None,
-        reward: Callable[[str], float] | None = None,
-        reward_beta: float = 1.0,
-        reward_every: int | None = None,
-        extra: Potential | None = None,
-    ) -> Potential | None:
-        """The product of the potentials asked for, or None (see `request.build_potential`)."""
-        return build_potential(
-            self, power_alpha, regex, json_schema, grammar, reward, reward_beta, reward_every, extra
-        )
+    # `request.build_potential(llm, ...)` as a method: the product of the potentials asked for
+    build_potential = build_potential
 
     def _package(
         self, result: DecodeResult, request: Request, text: TextStream

@@ -238,9 +238,10 @@ class LlamaModel:
             logits = self.logits(x[_to(keep, self.device)]).float()  # [rows kept, V]
             by_row = dict(zip(live, logits.split(wants), strict=True))
         rows = []
-        empty = torch.zeros(0, self.config.vocab_size, device=self.device)
         for b in range(len(seqs)):
-            row = by_row.get(b, empty)  # [n_b, V]
+            row = by_row.get(b)  # [n_b, V]
+            if row is None:  # no token left after its sink (or none given)
+                row = torch.zeros(0, self.config.vocab_size, device=self.device)
             if row.shape[0] < num_logits[b] and b in sinks:
                 row = torch.cat([sinks[b][None], row])
             rows.append(row)

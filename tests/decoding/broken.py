@@ -18,15 +18,16 @@ import torch
 
 from smcspec import sampling
 from smcspec.decoding.smc import SMCDecoder
+from smcspec.decoding.smc_guide import PotentialGuide
 from smcspec.decoding.speculative import SpeculativeDecoder
 
 
 class NoDraftCorrection(SMCDecoder):
     """Weights use log p only: the proposal's log q is dropped."""
 
-    def _propose(self, seqs, cache, k, s, generator, guide=None, ids=None):
-        tokens, logq_x, dead = super()._propose(seqs, cache, k, s, generator, guide, ids)
-        return tokens, torch.zeros_like(logq_x), dead
+    def _propose(self, seqs, cache, k, s, generator, guide):
+        tokens, logq_x = super()._propose(seqs, cache, k, s, generator, guide)
+        return tokens, torch.zeros_like(logq_x)
 
 
 class WrongWeightSign(SMCDecoder):
@@ -46,8 +47,13 @@ class UniformFinalDraw(SMCDecoder):
 class ForgetsBonusNormalizer(SMCDecoder):
     """With a potential, the bonus token's local normalizer (a weight term) is dropped."""
 
-    def _guided_bonus(self, *args):
-        bonus, log_ratio = super()._guided_bonus(*args)
+    def _guide(self, s):
+        return _NoBonusNormalizer(self.potential, self.config.particles, self._eos(s))
+
+
+class _NoBonusNormalizer(PotentialGuide):
+    def bonus(self, *args):
+        bonus, log_ratio = super().bonus(*args)
         log_ratio[:, -1] = torch.where(torch.isneginf(log_ratio[:, -1]), log_ratio[:, -1], 0.0)
         return bonus, log_ratio
 
@@ -55,8 +61,8 @@ class ForgetsBonusNormalizer(SMCDecoder):
 class WrongDraftTemperatureWeights(SMCDecoder):
     """Drafts at `draft_temperature` but weights with q at the target's temperature."""
 
-    def _propose(self, seqs, cache, k, s, generator, guide=None, ids=None):
-        tokens, logq_x, dead = super()._propose(seqs, cache, k, s, generator, guide, ids)
+    def _propose(self, seqs, cache, k, s, generator, guide):
+        tokens, logq_x = super()._propose(seqs, cache, k, s, generator, guide)
         # Re-score the drafts under q at the target temperature, on a fresh pass of the toy draft.
         logq_wrong = torch.zeros_like(logq_x)
         for row in range(seqs.shape[0]):
@@ -65,7 +71,7 @@ class WrongDraftTemperatureWeights(SMCDecoder):
                 logits = self.draft.logits(prefix + tuple(tokens[row, :i].tolist()))
                 logq = sampling.log_probs(logits, s.temperature, s.top_k, s.top_p)
                 logq_wrong[row, i] = logq[tokens[row, i]]
-        return tokens, logq_wrong, dead
+        return tokens, logq_wrong
 
 
 class SDWithoutResidual(SpeculativeDecoder):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from smcspec.config import SamplingConfig, SMCConfig
-from smcspec.decoding import SMCDecoder, smc
+from smcspec.decoding import SMCDecoder, smc_guide
 from smcspec.models.toy import perturbed_lm, random_lm
 from smcspec.potentials import Constraint
 from tests.test_potentials import ByteTokenizer
@@ -47,12 +47,12 @@ def guides(monkeypatch):
     """Every Guide the SMC decoder makes, kept alive by the test."""
     made = []
 
-    class Recorded(smc.Guide):
+    class Recorded(smc_guide.Guide):
         def __init__(self, *args) -> None:
             super().__init__(*args)
             made.append(self)
 
-    monkeypatch.setattr(smc, "Guide", Recorded)
+    monkeypatch.setattr(smc_guide, "Guide", Recorded)
     return made
 
 

@@ -1,0 +1,177 @@
+"""What an SMC round does differently with a potential, behind one interface.
+
+`SMCDecoder` picks its guide once per decode and then runs the same round either way:
+- `NoGuide`: pi = p. Drafts come from q, the bonus token is an exact draw from p at no weight,
+  and each draft is weighted by log p(x) - log q(x).
+- `PotentialGuide`: pi = p^alpha * mask * exp(v) / Z (see `guide.py`). Drafts come from the
+  shaped law g, the bonus from the shaped target law with its local normalizer as weight, the
+  sequence factor v enters after every round, and a particle that hits a dead end dies alone.
+
+Each method of `NoGuide` is the identity (or nothing), so the no-potential path runs exactly the
+operations it would without any guide: outputs are bit-identical and it costs nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from smcspec import sampling
+from smcspec.decoding.base import SMCStats
+from smcspec.decoding.guide import Guide
+from smcspec.decoding.population import Population
+from smcspec.potentials import Potential
+
+
+class RoundGuide(Protocol):
+    """The hooks of one SMC decode. Rows are the round's live particles, ids their indices."""
+
+    on_host: bool  # the logits must move to the host (potentials run there)
+
+    def begin(self, ids: list[int]) -> None: ...
+    def proposal(self, logq: torch.Tensor) -> torch.Tensor: ...
+    def drafted(self, x: torch.Tensor) -> None: ...
+    def bonus(
+        self,
+        logp: torch.Tensor,
+        logp_x: torch.Tensor,
+        logq_x: torch.Tensor,
+        generator: torch.Generator,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def collapses(self, pop: Population, increment: torch.Tensor) -> bool: ...
+    def committed(self, pop: Population, bonus: torch.Tensor) -> None: ...
+    def reorder(self, ancestors: torch.Tensor) -> None: ...
+    def finish(self, pop: Population) -> None: ...
+    def report(self, stats: SMCStats, pop: Population) -> None: ...
+    def release(self) -> None: ...
+
+
+class NoGuide:
+    """pi = p: the plain SMC-SD round."""
+
+    on_host = False
+
+    def begin(self, ids: list[int]) -> None:
+        pass
+
+    def proposal(self, logq: torch.Tensor) -> torch.Tensor:
+        return logq
+
+    def drafted(self, x: torch.Tensor) -> None:
+        pass
+
+    def bonus(
+        self,
+        logp: torch.Tensor,
+        logp_x: torch.Tensor,
+        logq_x: torch.Tensor,
+        generator: torch.Generator,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bonus tokens [B] drawn exactly from p(. | drafts) (logp [B, k + 1, V]); the weight
+        terms [B, k + 1]: log p(x_j) - log q(x_j) per draft, 0 for the bonus."""
+        k = logp_x.shape[1]
+        bonus = sampling.sample(logp[:, k], generator)  # [B], exact: no weight
+        return bonus, torch.cat([logp_x - logq_x, torch.zeros_like(logp_x[:, :1])], dim=1)
+
+    def collapses(self, pop: Population, increment: torch.Tensor) -> bool:
+        """Whether the round's terms [B] leave every weight zero: the round is then replaced by
+        one exact step (a draft outside p's support, e.g. under top-k)."""
+        return pop.collapses_with(increment)
+
+    def committed(self, pop: Population, bonus: torch.Tensor) -> None:
+        pass
+
+    def reorder(self, ancestors: torch.Tensor) -> None:
+        pass
+
+    def finish(self, pop: Population) -> None:
+        pass
+
+    def report(self, stats: SMCStats, pop: Population) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+
+class PotentialGuide:
+    """pi = p^alpha * mask * exp(v) / Z: proposals and bonus tokens from shaped laws, one state
+    per particle (`Guide`), and per-particle deaths instead of a round's collapse."""
+
+    on_host = True
+
+    def __init__(self, potential: Potential, n: int, eos: torch.Tensor) -> None:
+        self.guide = Guide(potential, n)
+        self.eos = eos
+        self.ids: list[int] = []
+        self.dead = torch.zeros(0, dtype=torch.bool)  # [B] the mask allowed nothing
+        self.ended = torch.zeros(0, dtype=torch.bool)  # [B] a draft was EOS
+
+    def begin(self, ids: list[int]) -> None:
+        self.ids = ids
+        self.dead = torch.zeros(len(ids), dtype=torch.bool)
+        self.ended = torch.zeros(len(ids), dtype=torch.bool)
+
+    def proposal(self, logq: torch.Tensor) -> torch.Tensor:
+        """The shaped law g = q^alpha mask / norm [B, V] for rows still drafting; q itself for
+        rows past an EOS or a dead end (their tokens do not count)."""
+        logg, norm = self.guide.shaped(self.ids, logq)
+        self.dead |= torch.isneginf(norm) & ~self.ended
+        return torch.where((self.ended | self.dead)[:, None], logq, logg)
+
+    def drafted(self, x: torch.Tensor) -> None:
+        """The states follow the drafts x [B] up to an EOS."""
+        is_eos = torch.isin(x, self.eos)
+        self.guide.advance(self.ids, x, ~self.ended & ~self.dead & ~is_eos)
+        self.ended |= is_eos
+
+    def bonus(
+        self,
+        logp: torch.Tensor,
+        logp_x: torch.Tensor,
+        logq_x: torch.Tensor,
+        generator: torch.Generator,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bonus tokens [B] from the shaped target law at the last position, and the weight
+        terms [B, k + 1]: alpha log p(x_j) - log g(x_j) per draft, the local normalizer for the
+        bonus; a dead row gets -inf."""
+        k = logp_x.shape[1]
+        logg, norm = self.guide.shaped(self.ids, logp[:, k])  # states are past the drafts
+        dead = self.dead | torch.isneginf(norm)
+        bonus = sampling.sample(torch.where(dead[:, None], logp[:, k], logg), generator)
+        log_ratio = torch.cat([self.guide.alpha * logp_x - logq_x, norm.float()[:, None]], dim=1)
+        return bonus, log_ratio.masked_fill(dead[:, None], float("-inf"))
+
+    def collapses(self, pop: Population, increment: torch.Tensor) -> bool:
+        return False  # a dead particle dies alone; the decode stops when all have died
+
+    def committed(self, pop: Population, bonus: torch.Tensor) -> None:
+        """Move the states past the bonus tokens [B] (unless an EOS came first), and add each
+        unfinished living particle's change of the sequence factor v."""
+        self.guide.advance(self.ids, bonus, ~self.ended & ~torch.isin(bonus, self.eos))
+        if not self.guide.potential.has_value:
+            return
+        for i in self.ids:
+            if not pop.finished[i] and not torch.isneginf(pop.log_w[i]):
+                pop.log_w[i] += self.guide.value_change(i, pop.sequence(i), False)
+
+    def reorder(self, ancestors: torch.Tensor) -> None:
+        self.guide.reorder(ancestors)
+
+    def finish(self, pop: Population) -> None:
+        """The sequence factor's final value, and log_end for particles cut at the length limit
+        (a constraint kills those left incomplete)."""
+        for i in range(pop.log_w.numel()):
+            if torch.isneginf(pop.log_w[i]):
+                continue
+            pop.log_w[i] += self.guide.value_change(i, pop.sequence(i), True)
+            if not pop.finished[i]:
+                pop.log_w[i] += self.guide.end(i)
+
+    def report(self, stats: SMCStats, pop: Population) -> None:
+        stats.valid_particles = int((~torch.isneginf(pop.log_w)).sum())
+        stats.potential_errors = self.guide.errors[:10]
+
+    def release(self) -> None:
+        self.guide.release()

@@ -348,7 +348,7 @@ def load_function(spec: str):
 
 def summary(result) -> str:
     """One line for stderr: speed, time split, the method's own figures, finish and seed."""
-    from smcspec.decoding import SDStats, SMCStats
+    from smcspec.engine import SDStats, SMCStats
 
     d, stats = result.diagnostics, result.stats
     split = d["time_split"]

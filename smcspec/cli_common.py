@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from smcspec.config import SMCConfig
-from smcspec.models.loader import BACKENDS, DTYPES
+from smcspec.engine import BACKENDS, DTYPES
 
 
 class Help(argparse.ArgumentDefaultsHelpFormatter):

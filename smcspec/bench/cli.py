@@ -273,35 +273,24 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _fidelity(args: argparse.Namespace) -> int:
     from smcspec.bench.fidelity import run_fidelity
-    from smcspec.models import defaults, hf
-    from smcspec.models.llama import SUPPORTED
-    from smcspec.models.loader import architecture, load_tokenizer
+    from smcspec.engine import loading
 
     if args.new_tokens < 1:
         raise ValueError(f"--new-tokens must be >= 1, got {args.new_tokens}")
-    specs = {}
-    for role, spec, default in (
-        ("target", args.target, defaults.DEFAULT_TARGET),
-        ("draft", args.draft, defaults.DEFAULT_DRAFT),
-    ):
-        if spec is not None:
-            hf.check_spec(spec, role)
-        spec = spec or str(defaults.ensure(default, args.cache_dir))
-        if architecture(spec) not in SUPPORTED:
-            raise ValueError(
-                f"{role}: fidelity runs on the native engine; {spec} is not a local "
-                f"{'/'.join(SUPPORTED)} folder or .gguf"
-            )
-        specs[role] = spec
-    print(
-        run_fidelity(specs, load_tokenizer(specs["target"]), args.dtype, args.new_tokens, args.out)
-    )
+    target, draft = loading.resolve_specs(args.target, args.draft, args.cache_dir)
+    specs = {"target": target, "draft": draft}
+    for role, spec in specs.items():
+        reason = loading.native_refusal(spec)
+        if reason is not None:
+            raise ValueError(f"{role}: fidelity runs on the native engine: {reason}")
+    tokenizer = loading.load_tokenizer(specs["target"])
+    print(run_fidelity(specs, tokenizer, args.dtype, args.new_tokens, args.out))
     return 0
 
 
 def _engine(args: argparse.Namespace, contenders) -> int:
     from smcspec.bench.engine import EnginePlan, run_engine
-    from smcspec.models.loader import BACKENDS
+    from smcspec.engine import BACKENDS
 
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if not backends or any(b not in BACKENDS or b == "auto" for b in backends):

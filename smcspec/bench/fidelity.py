@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from smcspec.bench import machine
+from smcspec.engine import CausalLM, loading
 
 README_PROMPTS = (
     "Write a Python function that checks if a number is prime.",
@@ -23,31 +24,30 @@ README_PROMPTS = (
 )
 
 
-def _load(spec: str, dtype: str):
-    from smcspec.models.llama import LlamaModel
-
-    path = Path(spec)
-    return (
-        LlamaModel.from_gguf(path, dtype)
-        if path.suffix == ".gguf"
-        else LlamaModel.from_folder(path, dtype)
-    )
+def _load(spec: str, dtype: str) -> CausalLM:
+    """The model of `spec` on the native engine, eager, on the CPU."""
+    return loading.load_native(spec, dtype)[0]
 
 
-def _all_logits(model, ids: list[int]) -> torch.Tensor:
+def _all_logits(model: CausalLM, ids: list[int]) -> torch.Tensor:
     """Next-token logits at every position of ids: [L, V]."""
-    kv = model.new_kv(-(-len(ids) // 16) + 1, 16)
-    seq = kv.new_sequence()
-    return model.forward(kv, [seq], [torch.tensor(ids)], len(ids))[0]
+    cache = model.new_cache()
+    try:
+        return model.forward(torch.tensor([ids]), cache, len(ids))[0]
+    finally:
+        cache.release()
 
 
-def _greedy(model, ids: list[int], n: int) -> list[int]:
-    kv = model.new_kv(-(-(len(ids) + n) // 16) + 1, 16)
-    seq, out = kv.new_sequence(), list(ids)
-    logits = model.forward(kv, [seq], [torch.tensor(ids)], 1)
-    for _ in range(n):
-        out.append(int(logits[0, -1].argmax()))
-        logits = model.forward(kv, [seq], [torch.tensor(out[-1:])], 1)
+def _greedy(model: CausalLM, ids: list[int], n: int) -> list[int]:
+    """ids followed by n arg-max tokens."""
+    cache, out = model.new_cache(), list(ids)
+    try:
+        logits = model.forward(torch.tensor([ids]), cache, 1)  # [1, 1, V]
+        for _ in range(n):
+            out.append(int(logits[0, -1].argmax()))
+            logits = model.forward(torch.tensor([out[-1:]]), cache, 1)
+    finally:
+        cache.release()
     return out
 
 

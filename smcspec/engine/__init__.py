@@ -1,8 +1,28 @@
-"""The engine: the user-facing `LLM`, the scheduler that batches concurrent requests, and
-`start_cache` (a model's cache holding a prompt: what benchmarks time forward passes over)."""
+"""The engine: the user-facing `LLM`, the scheduler that batches concurrent requests, model
+loading (`load_pair` and the spec helpers in `loading`), the typed statistics each method
+returns, and `start_cache` (a model's cache holding a prompt: what benchmarks time forward
+passes over). The command lines, the server and the benchmarks import from here."""
 
-from smcspec.decoding.base import start_cache
-from smcspec.engine.llm import LLM, GenerationResult, check_same_tokenizer
+from smcspec.decoding.base import ARStats, SDStats, SMCStats, Stats, start_cache
+from smcspec.engine.llm import LLM, GenerationResult
+from smcspec.engine.loading import BACKENDS, DTYPES, Pair, check_same_tokenizer, load_pair
 from smcspec.engine.request import Request
+from smcspec.models.base import CausalLM, PagedModel
 
-__all__ = ["LLM", "GenerationResult", "Request", "check_same_tokenizer", "start_cache"]
+__all__ = [
+    "BACKENDS",
+    "DTYPES",
+    "LLM",
+    "ARStats",
+    "CausalLM",
+    "GenerationResult",
+    "PagedModel",
+    "Pair",
+    "Request",
+    "SDStats",
+    "SMCStats",
+    "Stats",
+    "check_same_tokenizer",
+    "load_pair",
+    "start_cache",
+]

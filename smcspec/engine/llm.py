@@ -31,6 +31,7 @@ from smcspec.decoding import (
     SpeculativeDecoder,
 )
 from smcspec.decoding.base import Stats, Watch
+from smcspec.engine.loading import load_pair
 from smcspec.engine.request import Request, build_potential, settings_from_keywords
 from smcspec.engine.scheduler import Job, Scheduler
 from smcspec.engine.text import TextStream, check_stops
@@ -81,28 +82,17 @@ class LLM:
         backend: str = "auto",
         enforce_eager: bool = False,
     ) -> None:
-        from smcspec.models import defaults, hf, loader
-
-        device = loader.resolve_device(device)  # before a minute of loading, not after
-        loader.check_backend(backend)
-        dtype = loader.resolve_dtype(dtype, device)
-        for role, spec in (("target", target), ("draft", draft)):
-            if spec is not None:
-                hf.check_spec(spec, role)
-        if target is None:
-            target = str(defaults.ensure(defaults.DEFAULT_TARGET, cache_dir))
-        if draft is None:
-            draft = str(defaults.ensure(defaults.DEFAULT_DRAFT, cache_dir))
-        backends = {loader.choose_backend(s, backend, device, dtype) for s in (target, draft)}
-        # One engine for both models keeps their timings comparable; native needs both.
-        self.backend = "native" if backends == {"native"} else "hf"
-        self.dtype = dtype
-        graphs = not enforce_eager
-        target_model, target_tok = loader.load(target, self.backend, dtype, device, graphs)
-        draft_model, draft_tok = loader.load(draft, self.backend, dtype, device, graphs)
-        check_same_tokenizer(target_tok, draft_tok)
-        self._setup(target_model, draft_model, target_tok)
-        self.names = (_name(target, "target"), _name(draft, "draft"))
+        pair = load_pair(
+            target,
+            draft,
+            dtype=dtype,
+            device=device,
+            cache_dir=cache_dir,
+            backend=backend,
+            enforce_eager=enforce_eager,
+        )
+        self._setup(pair.target, pair.draft, pair.tokenizer)
+        self.names, self.backend, self.dtype = pair.names, pair.backend, pair.dtype
 
     @classmethod
     def from_models(cls, target: CausalLM, draft: CausalLM, tokenizer: Any = None) -> LLM:
@@ -120,6 +110,7 @@ class LLM:
                 "tokens): the draft must share the target's tokenizer"
             )
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
+        self._guidance: Any = None  # llguidance's view of the tokenizer, made on first use
 
     def encode(self, prompt: str | list[int], chat: bool = True) -> list[int]:
         if isinstance(prompt, list):
@@ -161,6 +152,18 @@ class LLM:
         if self.tokenizer is None:
             return " ".join(str(t) for t in ids)
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.target.vocab_size
+
+    def guidance_tokenizer(self) -> Any:
+        """llguidance's view of the tokenizer, built once (a second for a 152k vocabulary)."""
+        if self._guidance is None:
+            import llguidance.hf
+
+            self._guidance = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size)
+        return self._guidance
 
     def generate(
         self,
@@ -353,23 +356,3 @@ def make_decoder(
     if isinstance(decoding, ARConfig):
         return AutoregressiveDecoder(target, potential)
     raise ValueError(f"no decoder for {type(decoding).__name__}")
-
-
-def _name(spec: str, role: str) -> str:
-    from pathlib import Path
-
-    from smcspec.models import defaults
-
-    for shipped in defaults.SHIPPED.values():
-        if Path(spec).name == shipped.name:
-            return shipped.description.split(" (")[0]
-    return spec
-
-
-def check_same_tokenizer(target_tok: Any, draft_tok: Any) -> None:
-    """Refuse a pair whose tokenizers map text to different ids."""
-    if target_tok.get_vocab() != draft_tok.get_vocab():
-        raise ValueError(
-            "draft and target tokenizers differ: SMC and speculative decoding need a draft that "
-            "shares the target's vocabulary"
-        )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from smcspec.config import (
     ARConfig,
@@ -24,8 +24,20 @@ from smcspec.config import (
 )
 from smcspec.potentials import Constraint, Potential, Power, Product, Reward
 
-if TYPE_CHECKING:
-    from smcspec.engine.llm import LLM
+
+class TextModel(Protocol):
+    """What potentials over text need of a model (an `LLM`): its tokenizer (None when prompts
+    are token ids), vocabulary size, the decoding of ids to text, and llguidance's view of the
+    tokenizer."""
+
+    tokenizer: Any
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def decode_text(self, ids: list[int]) -> str: ...
+
+    def guidance_tokenizer(self) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -83,7 +95,7 @@ def settings_from_keywords(
 
 
 def build_potential(
-    llm: LLM,
+    llm: TextModel,
     power_alpha: float | None = None,
     regex: str | None = None,
     json_schema: str | dict | None = None,
@@ -109,7 +121,7 @@ def build_potential(
             raise ValueError(f"{kind} needs a tokenizer (this LLM has none)")
         build = {"regex": Constraint.regex, "json_schema": Constraint.json_schema}
         make = build.get(kind, Constraint.lark)
-        parts.append(make(text, _guidance_tokenizer(llm), llm.target.vocab_size))
+        parts.append(make(text, llm.guidance_tokenizer(), llm.vocab_size))
     if reward is not None:
         if not callable(reward):
             raise ValueError(f"reward must be a function of the text, got {reward!r}")
@@ -120,14 +132,3 @@ def build_potential(
     if not parts:
         return None
     return parts[0] if len(parts) == 1 else Product(parts)
-
-
-def _guidance_tokenizer(llm: LLM) -> Any:
-    """llguidance's view of the tokenizer, built once (a second for a 152k vocabulary)."""
-    if getattr(llm, "_ll_tokenizer", None) is None:  # made on first use, kept on the LLM
-        import llguidance.hf
-
-        llm._ll_tokenizer = llguidance.hf.from_tokenizer(
-            llm.tokenizer, n_vocab=llm.target.vocab_size
-        )
-    return llm._ll_tokenizer

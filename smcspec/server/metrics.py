@@ -14,9 +14,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from smcspec.decoding import SDStats, SMCStats
-from smcspec.decoding.base import Stats
-from smcspec.models.base import PagedModel
+from smcspec.engine import PagedModel, SDStats, SMCStats, Stats
 
 THROUGHPUT_WINDOW_S = 30.0
 ROLES = ("target", "draft")

@@ -1,0 +1,100 @@
+"""Where a pair of models comes from: the user's specs (a hub id, a local folder, a .gguf file,
+or None for the shipped default) checked before any weights load, then both models loaded on
+one backend. `LLM` builds on `load_pair`; the command lines and benchmarks use these functions
+instead of reaching into `smcspec.models`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from smcspec.models import defaults, hf, loader
+from smcspec.models.base import CausalLM
+
+BACKENDS = loader.BACKENDS
+DTYPES = loader.DTYPES
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A loaded target and draft, their shared tokenizer, and how they were loaded."""
+
+    target: CausalLM
+    draft: CausalLM
+    tokenizer: Any
+    backend: str  # native or hf: one engine for both keeps their timings comparable
+    dtype: str  # the resolved precision
+    names: tuple[str, str]  # what to call the target and the draft in reports
+
+
+def resolve_specs(
+    target: str | None, draft: str | None, cache_dir: str | None = None
+) -> tuple[str, str]:
+    """Both specs checked first (a bad draft is reported before the default target downloads),
+    then None replaced by the shipped default, fetched into `cache_dir` if missing."""
+    for role, spec in (("target", target), ("draft", draft)):
+        if spec is not None:
+            hf.check_spec(spec, role)
+    if target is None:
+        target = str(defaults.ensure(defaults.DEFAULT_TARGET, cache_dir))
+    if draft is None:
+        draft = str(defaults.ensure(defaults.DEFAULT_DRAFT, cache_dir))
+    return target, draft
+
+
+def load_pair(
+    target: str | None,
+    draft: str | None,
+    *,
+    dtype: str = "auto",
+    device: str = "auto",
+    cache_dir: str | None = None,
+    backend: str = "auto",
+    enforce_eager: bool = False,
+) -> Pair:
+    """Check every setting, resolve the specs, and load both models on one backend."""
+    device = loader.resolve_device(device)  # before a minute of loading, not after
+    loader.check_backend(backend)
+    dtype = loader.resolve_dtype(dtype, device)
+    target, draft = resolve_specs(target, draft, cache_dir)
+    chosen = {loader.choose_backend(s, backend, device, dtype) for s in (target, draft)}
+    backend = "native" if chosen == {"native"} else "hf"  # native needs both
+    graphs = not enforce_eager
+    target_model, target_tok = loader.load(target, backend, dtype, device, graphs)
+    draft_model, draft_tok = loader.load(draft, backend, dtype, device, graphs)
+    check_same_tokenizer(target_tok, draft_tok)
+    names = (display_name(target), display_name(draft))
+    return Pair(target_model, draft_model, target_tok, backend, dtype, names)
+
+
+def load_native(spec: str, dtype: str, device: str = "cpu") -> tuple[CausalLM, Any]:
+    """One model on the native engine, eager, with its tokenizer (the fidelity bench)."""
+    return loader.load_native(spec, loader.resolve_dtype(dtype, device), device, graphs=False)
+
+
+def native_refusal(spec: str) -> str | None:
+    """Why the native engine cannot run `spec`, or None; reads no weights."""
+    return loader.native_refusal(spec)
+
+
+def load_tokenizer(spec: str) -> Any:
+    """The tokenizer of a local folder or .gguf file."""
+    return loader.load_tokenizer(spec)
+
+
+def display_name(spec: str) -> str:
+    """A shipped model's name (its package folder is opaque), else the spec itself."""
+    for shipped in defaults.SHIPPED.values():
+        if Path(spec).name == shipped.name:
+            return shipped.description.split(" (")[0]
+    return spec
+
+
+def check_same_tokenizer(target_tok: Any, draft_tok: Any) -> None:
+    """Refuse a pair whose tokenizers map text to different ids."""
+    if target_tok.get_vocab() != draft_tok.get_vocab():
+        raise ValueError(
+            "draft and target tokenizers differ: SMC and speculative decoding need a draft that "
+            "shares the target's vocabulary"
+        )

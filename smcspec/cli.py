@@ -8,6 +8,7 @@ import json
 import sys
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 from smcspec.bench.cli import add_parser as add_bench_parser
 from smcspec.cli_common import (
@@ -21,6 +22,7 @@ from smcspec.config import (
     MAX_PARTICLES,
     METHODS,
     RESAMPLING_SCHEMES,
+    SAMPLING_FIELDS,
     SD_DRAFT_TOKENS,
     SERVER_TEMPERATURE,
     SMC_DRAFT_TOKENS,
@@ -50,6 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"smcspec {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_serve(sub)
+    add_bench_parser(sub)
+    return parser
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
     gen = command(sub, "generate", "generate text from a prompt")
     gen.add_argument(
         "prompt", help="the prompt (a user message unless --no-chat); - reads standard input"
@@ -61,6 +70,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("-k", "--draft-tokens", type=int, default=None, help=K_HELP)
     _add_resampling(gen)
+    _add_sampling(gen)
+    add_model_options(gen)
+    _add_potentials(gen)
+    gen.add_argument(
+        "--system", default=None, metavar="TEXT", help="a system message before the prompt"
+    )
+    gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    gen.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _add_sampling(gen: argparse.ArgumentParser) -> None:
+    """One flag per SamplingConfig field, named after it (stop_at_eos: --ignore-eos); --stop."""
     gen.add_argument(
         "--temperature",
         type=float,
@@ -90,19 +111,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens")
     gen.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="reproduces a run exactly (default: a random one, shown in the summary)",
+    )
+    gen.add_argument(
         "--stop",
         action="append",
         default=None,
         metavar="STRING",
         help="end the text before this string (repeatable)",
     )
-    gen.add_argument(
-        "--seed",
-        type=int,
-        default=None,
-        help="reproduces a run exactly (default: a random one, shown in the summary)",
-    )
-    add_model_options(gen)
+
+
+def _add_potentials(gen: argparse.ArgumentParser) -> None:
     pot = gen.add_argument_group("potentials (smc samples p(x) phi(x); ar applies them locally)")
     pot.add_argument("--power-alpha", type=float, default=None, help="target p(x)^alpha")
     pot.add_argument("--regex", default=None, help="the output must fully match this regex")
@@ -113,14 +136,6 @@ def build_parser() -> argparse.ArgumentParser:
     pot.add_argument(
         "--reward-every", type=int, default=None, help="also score prefixes every M tokens"
     )
-    gen.add_argument(
-        "--system", default=None, metavar="TEXT", help="a system message before the prompt"
-    )
-    gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    gen.add_argument("--json", action="store_true", help="print one JSON object")
-    _add_serve(sub)
-    add_bench_parser(sub)
-    return parser
 
 
 def _add_resampling(p: argparse.ArgumentParser) -> None:
@@ -202,7 +217,7 @@ def _add_serve(sub) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from smcspec.config import SamplingConfig, method_configs
+    from smcspec.config import method_configs
     from smcspec.engine.text import check_stops
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
@@ -211,22 +226,9 @@ def _generate(args: argparse.Namespace) -> int:
     if args.system is not None and args.no_chat:
         raise ValueError("--system goes into the chat template, which --no-chat turns off")
     # Validate every setting before spending a minute loading models.
-    SamplingConfig(
-        args.temperature,
-        args.top_k,
-        args.top_p,
-        args.max_new_tokens,
-        True,
-        args.seed,
-        args.draft_temperature,
-    )
-    method_configs(
-        args.particles,
-        args.draft_tokens,
-        args.resample_threshold,
-        args.resampling,
-        args.allow_large,
-    )
+    sampling, method = _sampling_settings(args), _method_settings(args)
+    SamplingConfig(**sampling)
+    method_configs(**method)
     check_stops(args.stop)
     potentials = _potential_args(args)
     llm = llm_from_args(args)
@@ -235,20 +237,10 @@ def _generate(args: argparse.Namespace) -> int:
     result = llm.generate(
         prompt,
         args.method,
-        particles=args.particles,
-        draft_tokens=args.draft_tokens,
-        resample_threshold=args.resample_threshold,
-        resampling=args.resampling,
-        temperature=args.temperature,
-        draft_temperature=args.draft_temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        max_new_tokens=args.max_new_tokens,
-        stop_at_eos=not args.ignore_eos,
         stop=args.stop,
-        seed=args.seed,
         chat=not args.no_chat,
-        allow_large=args.allow_large,
+        **method,
+        **sampling,
         **potentials,
     )
     if args.json:
@@ -299,6 +291,19 @@ def _serve(args: argparse.Namespace) -> int:
     )
     HTTPServer(app, args.host, args.port).run()
     return 0
+
+
+def _sampling_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """Every `SamplingConfig` field from the flag of the same name (--ignore-eos for
+    stop_at_eos), so that a new field needs only its flag."""
+    names = [name for name in SAMPLING_FIELDS if name != "stop_at_eos"]
+    return {"stop_at_eos": not args.ignore_eos} | {name: getattr(args, name) for name in names}
+
+
+def _method_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """sd's and smc's settings (see `config.method_configs`)."""
+    names = ("particles", "draft_tokens", "resample_threshold", "resampling", "allow_large")
+    return {name: getattr(args, name) for name in names}
 
 
 def _potential_args(args: argparse.Namespace) -> dict:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal
 
 Method = Literal["ar", "sd", "smc"]
@@ -84,6 +84,11 @@ class SamplingConfig:
     def proposal_temperature(self) -> float:
         """Temperature of the draft's proposal distribution q."""
         return self.temperature if self.draft_temperature is None else self.draft_temperature
+
+
+# Each front end (generate's keywords, the CLI, the server) passes these by name, so a new field
+# of SamplingConfig needs no edit there.
+SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingConfig))
 
 
 @dataclass(frozen=True)

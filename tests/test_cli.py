@@ -263,7 +263,8 @@ def test_every_default_is_read_from_the_configs():
     plan = inspect.signature(settings_from_keywords).parameters
     sampling, smc = SamplingConfig(), SMCConfig()
     for name in ("temperature", "top_k", "top_p", "max_new_tokens"):
-        assert getattr(gen, name) == getattr(sampling, name) == plan[name].default, name
+        assert getattr(gen, name) == getattr(sampling, name), name
+    assert settings_from_keywords(None, None)[1] == sampling
     for name in ("resample_threshold", "resampling"):
         want = getattr(smc, name)
         assert getattr(gen, name) == getattr(serve, name) == plan[name].default == want, name
@@ -275,6 +276,32 @@ def test_every_default_is_read_from_the_configs():
         assert args.temperature == sampling.temperature
         assert args.resample_threshold == smc.resample_threshold
     assert parser.parse_args(["bench", "speed"]).temperatures == str(sampling.temperature)
+
+
+# A value other than the default for every SamplingConfig field a user sets by its own name.
+GIVEN = {"temperature": 0.3, "top_k": 5, "top_p": 0.5, "draft_temperature": 0.9}
+
+
+def test_every_sampling_field_reaches_every_front_end():
+    """The front ends pass SamplingConfig's fields by name, so a new field needs only its CLI
+    flag and its server field: a value given to generate's keywords, to the CLI and to the
+    server arrives in the config. (max_new_tokens is the server's max_tokens, stop_at_eos the
+    CLI's --ignore-eos, seed per choice: covered by their own tests.)"""
+    from smcspec.config import SAMPLING_FIELDS
+    from smcspec.engine.request import settings_from_keywords
+    from smcspec.server.runtime import _sampling
+    from smcspec.server.schema import CompletionRequest
+
+    assert set(SAMPLING_FIELDS) == set(GIVEN) | {"max_new_tokens", "stop_at_eos", "seed"}
+    for name, value in GIVEN.items():
+        assert getattr(settings_from_keywords(None, None, **{name: value})[1], name) == value
+        flag = "--" + name.replace("_", "-")
+        args = cli.build_parser().parse_args(["generate", "x", flag, str(value)])
+        assert cli._sampling_settings(args)[name] == value, flag
+        body = CompletionRequest(model="m", prompt="x", **{name: value})
+        assert _sampling(body, temperature=1.0)[name] == value, name
+    with pytest.raises(TypeError, match="'top_q'"):
+        settings_from_keywords(None, None, top_q=0.5)
 
 
 def test_the_summary_line_reads_each_methods_typed_stats(tiny_llm):

@@ -41,6 +41,21 @@ def add_parser(sub) -> None:
     """`smcspec bench` and its subcommands, under the root parser's subparsers `sub`."""
     bench = command(sub, "bench", "speed, roofline, accuracy and engine benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
+    for add in (
+        _add_speed,
+        _add_roofline,
+        _add_accuracy,
+        _add_engine,
+        _add_gpu,
+        _add_fidelity,
+        _add_json,
+        _add_serve,
+        _add_report,
+    ):
+        add(bsub)
+
+
+def _add_speed(bsub) -> None:
     speed = command(bsub, "speed", "tokens/s of every method, interleaved, side by side")
     _add_grid_options(speed, ["ar", "sd", "smc"], "2,4,8")
     speed.add_argument(
@@ -50,6 +65,9 @@ def add_parser(sub) -> None:
     speed.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per run")
     speed.add_argument("--natural-stop", action="store_true", help="stop at EOS (default: ignore)")
     speed.add_argument("--reps", type=int, default=1, help="repetitions of every run")
+
+
+def _add_roofline(bsub) -> None:
     roof = command(bsub, "roofline", "predicted vs measured SMC speed-up per (N, K)")
     _add_grid_options(roof, ["smc"], "1,2,4,8")
     roof.add_argument(
@@ -60,6 +78,9 @@ def add_parser(sub) -> None:
     roof.add_argument("--temperature", type=float, default=T_DEFAULT, help="sampling temperature")
     roof.add_argument("--context", type=int, default=150, help="cache length for the timings")
     roof.add_argument("--timing-reps", type=int, default=3, help="timed repetitions per shape")
+
+
+def _add_accuracy(bsub) -> None:
     acc = command(bsub, "accuracy", "HumanEval pass@1 with 95% CI, and speed")
     _add_grid_options(acc, ["ar", "sd", "smc"], "4")
     acc.add_argument("--temperature", type=float, default=T_DEFAULT, help="sampling temperature")
@@ -67,6 +88,9 @@ def add_parser(sub) -> None:
     acc.add_argument("--limit", type=int, default=20, help="number of problems")
     acc.add_argument("--max-new-tokens", type=int, default=384, help="new tokens per problem")
     acc.add_argument("--timeout", type=float, default=10.0, help="seconds per program")
+
+
+def _add_engine(bsub) -> None:
     eng = command(bsub, "engine", "native vs transformers engine: steps, resampling, e2e")
     _add_grid_options(eng, ["ar", "sd", "smc"], "2,4")
     eng.add_argument("--backends", default="native,hf", help="comma-separated engines to compare")
@@ -75,6 +99,9 @@ def add_parser(sub) -> None:
     eng.add_argument("--prompts", type=int, default=3, help="first P HumanEval prompts")
     eng.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per run")
     eng.add_argument("--temperature", type=float, default=T_DEFAULT, help="sampling temperature")
+
+
+def _add_gpu(bsub) -> None:
     gpu = command(bsub, "gpu", "native engine on one GPU: random weights of the real shapes")
     gpu.add_argument(
         "--device", default="auto", help="auto (cuda; refused without one), cuda[:i], cpu"
@@ -86,6 +113,9 @@ def add_parser(sub) -> None:
     )
     gpu.add_argument("--new-tokens", type=int, default=None, help="new tokens per end-to-end run")
     gpu.add_argument("--reps", type=int, default=None, help="timed repetitions per forward shape")
+
+
+def _add_fidelity(bsub) -> None:
     fid = command(bsub, "fidelity", "KL of int8 (or bfloat16) against float32")
     fid.add_argument("--target", default=None, help="folder or .gguf (default: built-in)")
     fid.add_argument("--draft", default=None, help="folder or .gguf (default: built-in)")
@@ -97,6 +127,9 @@ def add_parser(sub) -> None:
         help="model cache (default: $SMCSPEC_CACHE or ~/.cache/smcspec)",
     )
     fid.add_argument("--out", default="bench-results", help="folder for the results")
+
+
+def _add_json(bsub) -> None:
     js = command(bsub, "json", "constrained JSON: validity and speed, ar vs smc")
     js.add_argument("--particles", type=int, default=4, metavar="N", help="smc's particles")
     js.add_argument("-k", "--draft-tokens", type=int, default=4, help="smc's draft tokens K")
@@ -105,6 +138,9 @@ def add_parser(sub) -> None:
     js.add_argument("--out", default="bench-results", help="folder for the results")
     js.add_argument("--methods", nargs="+", default=["ar", "smc"], help=argparse.SUPPRESS)
     add_model_options(js)
+
+
+def _add_serve(bsub) -> None:
     srv = command(bsub, "serve", "the HTTP server under 1..C concurrent clients")
     srv.add_argument(
         "--methods", default="ar,sd K=4,smc N=2 K=8,smc N=4 K=4", help="comma-separated"
@@ -115,6 +151,9 @@ def add_parser(sub) -> None:
     srv.add_argument("--temperature", type=float, default=T_DEFAULT, help="sampling temperature")
     srv.add_argument("--out", default="bench-results", help="folder for the results")
     add_model_options(srv)
+
+
+def _add_report(bsub) -> None:
     rep = command(bsub, "report", "tables and plots from result files")
     rep.add_argument("--out", default="bench-results", help="folder holding the results")
     rep.add_argument("--accuracy-files", nargs="*", default=[], help="more accuracy.jsonl files")
@@ -153,65 +192,67 @@ def precision(llm) -> str:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    cmd = args.bench_command
-    if cmd == "report":
-        return _report(args)
-    if cmd == "fidelity":
-        return _fidelity(args)
-    if cmd == "serve":
-        return _serve(args)
-    if cmd == "gpu":
-        return _gpu(args)
-    if cmd == "json":
-        from smcspec.bench.constrained import run_json
-        from smcspec.config import method_configs
+    run = {
+        "speed": _speed,
+        "roofline": _roofline,
+        "accuracy": _accuracy,
+        "engine": _engine,
+        "gpu": _gpu,
+        "fidelity": _fidelity,
+        "json": _json,
+        "serve": _serve,
+        "report": _report,
+    }[args.bench_command]
+    return run(args)
 
-        method_configs(args.particles, args.draft_tokens)
-        if args.reps < 1 or args.max_new_tokens < 1:
-            raise ValueError("--reps and --max-new-tokens must be >= 1")
-        llm = _llm(args)
-        print(
-            run_json(
-                llm, args.out, args.particles, args.draft_tokens, args.reps, args.max_new_tokens
-            )
-        )
-        return 0
-    contenders = _grid(args)
-    if cmd == "speed":
-        from smcspec.bench.speed import SpeedPlan, run_speed
 
-        plan = SpeedPlan(
-            contenders,
-            _floats(args.temperatures, "--temperatures"),
-            args.prompts,
-            args.max_new_tokens,
-            args.natural_stop,
-            args.reps,
-            args.seed,
-        )
-        llm = _llm(args)
-        run_speed(llm, plan, args.out, precision(llm))
-        print((Path(args.out) / "speed.md").read_text())
-        return 0
-    if cmd == "accuracy":
-        from smcspec.bench.accuracy import AccuracyPlan, run_accuracy
+def _json(args: argparse.Namespace) -> int:
+    from smcspec.bench.constrained import run_json
+    from smcspec.config import method_configs
 
-        plan = AccuracyPlan(
-            contenders,
-            args.temperature,
-            args.offset,
-            args.limit,
-            args.max_new_tokens,
-            args.timeout,
-            args.seed,
-        )
-        llm = _llm(args)
-        run_accuracy(llm, plan, args.out, precision(llm))
-        print((Path(args.out) / "accuracy.md").read_text())
-        return 0
-    if cmd == "engine":
-        return _engine(args, contenders)
-    return _roofline(args, contenders)
+    method_configs(args.particles, args.draft_tokens)
+    if args.reps < 1 or args.max_new_tokens < 1:
+        raise ValueError("--reps and --max-new-tokens must be >= 1")
+    llm = _llm(args)
+    k, new = args.draft_tokens, args.max_new_tokens
+    print(run_json(llm, args.out, args.particles, k, args.reps, new))
+    return 0
+
+
+def _speed(args: argparse.Namespace) -> int:
+    from smcspec.bench.speed import SpeedPlan, run_speed
+
+    plan = SpeedPlan(
+        _grid(args),
+        _floats(args.temperatures, "--temperatures"),
+        args.prompts,
+        args.max_new_tokens,
+        args.natural_stop,
+        args.reps,
+        args.seed,
+    )
+    llm = _llm(args)
+    run_speed(llm, plan, args.out, precision(llm))
+    print((Path(args.out) / "speed.md").read_text())
+    return 0
+
+
+def _accuracy(args: argparse.Namespace) -> int:
+    from smcspec.bench.accuracy import AccuracyPlan, run_accuracy
+
+    plan = AccuracyPlan(
+        _grid(args),
+        args.temperature,
+        args.offset,
+        args.limit,
+        args.max_new_tokens,
+        args.timeout,
+        args.seed,
+    )
+    llm = _llm(args)
+    run_accuracy(llm, plan, args.out, precision(llm))
+    print((Path(args.out) / "accuracy.md").read_text())
+    return 0
 
 
 def _gpu(args: argparse.Namespace) -> int:
@@ -288,7 +329,8 @@ def _fidelity(args: argparse.Namespace) -> int:
     return 0
 
 
-def _engine(args: argparse.Namespace, contenders) -> int:
+def _engine(args: argparse.Namespace) -> int:
+    contenders = _grid(args)
     from smcspec.bench.engine import EnginePlan, run_engine
     from smcspec.engine import BACKENDS
 
@@ -311,7 +353,8 @@ def _engine(args: argparse.Namespace, contenders) -> int:
     return 0
 
 
-def _roofline(args: argparse.Namespace, contenders) -> int:
+def _roofline(args: argparse.Namespace) -> int:
+    contenders = _grid(args)
     from smcspec.bench.roofline import run_roofline
     from smcspec.bench.speed import SpeedPlan, prompt_ids, run_speed
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from smcspec.config import (
+    SAMPLING_FIELDS,
     ARConfig,
     DecodingConfig,
     SamplingConfig,
@@ -73,25 +74,24 @@ def settings_from_keywords(
     draft_tokens: int | None = None,
     resample_threshold: float = SMCConfig.resample_threshold,
     resampling: str = SMCConfig.resampling,
-    temperature: float = SamplingConfig.temperature,
-    draft_temperature: float | None = None,
-    top_k: int = SamplingConfig.top_k,
-    top_p: float = SamplingConfig.top_p,
-    max_new_tokens: int = SamplingConfig.max_new_tokens,
-    stop_at_eos: bool = SamplingConfig.stop_at_eos,
-    seed: int | None = None,
     allow_large: bool = False,
+    **sampling: Any,
 ) -> tuple[DecodingConfig, SamplingConfig]:
-    """The typed configs of `generate`'s keywords. `method` None: sd, or smc with a potential;
-    `particles` / `draft_tokens` None: each method's own default."""
+    """The typed configs of `generate`'s keywords: the method's settings here, and every field
+    of `SamplingConfig` by its name (temperature, draft_temperature, top_k, top_p,
+    max_new_tokens, stop_at_eos, seed; defaults from the dataclass). `method` None: sd, or smc
+    with a potential; `particles` / `draft_tokens` None: each method's own default."""
+    unknown = sorted(set(sampling) - set(SAMPLING_FIELDS))
+    if unknown:
+        raise TypeError(
+            f"settings_from_keywords() got an unexpected keyword argument {unknown[0]!r}"
+        )
+    sampling_cfg = SamplingConfig(**sampling)
     method = resolve_method(method, potential is not None)
-    sampling = SamplingConfig(
-        temperature, top_k, top_p, max_new_tokens, stop_at_eos, seed, draft_temperature
-    )
     decoding = decoding_config(
         method, particles, draft_tokens, resample_threshold, resampling, allow_large
     )
-    return decoding, sampling
+    return decoding, sampling_cfg
 
 
 def build_potential(

@@ -194,6 +194,23 @@ def _with_body_schemas(app: FastAPI) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
+def _health(server: Server, llm: LLM, defaults: ServeDefaults) -> dict[str, Any]:
+    """What /health reports: the models, and whether the scheduler's thread is alive."""
+    s = server.scheduler
+    alive = s.alive
+    return {
+        "status": "ok" if alive else "degraded",
+        "model": defaults.model_name,
+        "target": public_name(llm.names[0]),
+        "draft": public_name(llm.names[1]),
+        "backend": llm.backend,
+        "dtype": llm.dtype,
+        "scheduler_alive": alive,
+        "running": s.running,
+        "queued": s.queued,
+    }
+
+
 def create_app(llm: LLM, defaults: ServeDefaults) -> FastAPI:
     server = Server(llm, defaults)
 
@@ -220,20 +237,8 @@ def create_app(llm: LLM, defaults: ServeDefaults) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        s = server.scheduler
-        alive = s.alive
-        report = {
-            "status": "ok" if alive else "degraded",
-            "model": defaults.model_name,
-            "target": public_name(llm.names[0]),
-            "draft": public_name(llm.names[1]),
-            "backend": llm.backend,
-            "dtype": llm.dtype,
-            "scheduler_alive": alive,
-            "running": s.running,
-            "queued": s.queued,
-        }
-        return JSONResponse(report, status_code=200 if alive else 503)
+        report = _health(server, llm, defaults)
+        return JSONResponse(report, status_code=200 if report["scheduler_alive"] else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from smcspec.config import (
+    SAMPLING_FIELDS,
     SERVER_TEMPERATURE,
     SamplingConfig,
     SMCConfig,
@@ -180,6 +181,7 @@ class Server:
             raise ApiError(str(err)) from err
         method = resolve_method(body.method or d.method, potential is not None)
         drafts = lookahead(decoding_config(method, particles, k))
+        sampling = _sampling(body, d.temperature)
         choices = []
         for p, ids in enumerate(prompts):
             limit = self._token_limit(body, len(ids), drafts, param)
@@ -193,16 +195,10 @@ class Server:
                         draft_tokens=k,
                         resample_threshold=_given(body.resample_threshold, d.resample_threshold),
                         resampling=body.resampling or d.resampling,
-                        temperature=_given(body.temperature, d.temperature),
-                        draft_temperature=body.draft_temperature,
-                        top_k=body.top_k or SamplingConfig.top_k,
-                        top_p=_given(body.top_p, SamplingConfig.top_p),
-                        max_new_tokens=limit,
-                        stop_at_eos=not body.ignore_eos,
                         stop=stops,
-                        seed=seed,
                         chat=False,
                         potential=potential,
+                        **(sampling | {"max_new_tokens": limit, "seed": seed}),
                     )
                 except ValueError as err:
                     raise ApiError(str(err)) from err
@@ -335,6 +331,15 @@ def public_name(spec: str) -> str:
     if not (path.is_absolute() or path.exists()):
         return spec
     return path.stem if path.suffix == ".gguf" else path.name
+
+
+def _sampling(body: GenerationFields, temperature: float) -> dict[str, Any]:
+    """The `SamplingConfig` fields the request gives by name (the dataclass's defaults for the
+    rest, but the server's own default temperature), so a new field needs only its schema
+    field. max_new_tokens and seed are per choice."""
+    given = {name: getattr(body, name, None) for name in SAMPLING_FIELDS}
+    given = {name: value for name, value in given.items() if value is not None}
+    return {"temperature": temperature} | given | {"stop_at_eos": not body.ignore_eos}
 
 
 def _given(value, default):

@@ -217,7 +217,7 @@ def _add_serve(sub) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from smcspec.config import method_configs
+    from smcspec.config import decoding_config, resolve_method
     from smcspec.engine.text import check_stops
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
@@ -225,24 +225,20 @@ def _generate(args: argparse.Namespace) -> int:
         raise ValueError("prompt is empty")
     if args.system is not None and args.no_chat:
         raise ValueError("--system goes into the chat template, which --no-chat turns off")
-    # Validate every setting before spending a minute loading models.
-    sampling, method = _sampling_settings(args), _method_settings(args)
-    SamplingConfig(**sampling)
-    method_configs(**method)
-    check_stops(args.stop)
+    # Every setting is checked, and typed, before a minute of model loading.
     potentials = _potential_args(args)
+    method = resolve_method(args.method, has_potential=bool(potentials))
+    decoding = decoding_config(method, **_method_settings(args))
+    sampling = SamplingConfig(**_sampling_settings(args))
+    check_stops(args.stop)
     llm = llm_from_args(args)
     if args.system is not None:
         prompt = _with_system(llm, args.system, prompt)
-    result = llm.generate(
-        prompt,
-        args.method,
-        stop=args.stop,
-        chat=not args.no_chat,
-        **method,
-        **sampling,
-        **potentials,
+    potential = llm.build_potential(
+        **potentials, reward_beta=args.reward_beta, reward_every=args.reward_every
     )
+    request = llm.plan(prompt, decoding, sampling, potential, stop=args.stop, chat=not args.no_chat)
+    result = llm.run(request)
     if args.json:
         print(json.dumps(result.to_dict()))
     else:
@@ -301,16 +297,17 @@ def _sampling_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _method_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """sd's and smc's settings (see `config.method_configs`)."""
+    """sd's and smc's settings (`config.decoding_config` checks them all)."""
     names = ("particles", "draft_tokens", "resample_threshold", "resampling", "allow_large")
     return {name: getattr(args, name) for name in names}
 
 
 def _potential_args(args: argparse.Namespace) -> dict:
-    """Read and check the potential options (a constraint compiles) before any model loads."""
+    """The potentials asked for (`build_potential`'s keywords, read and checked: a constraint
+    compiles) before any model loads; empty when none is."""
     from smcspec.potentials import Power, Reward, grammar_of
 
-    out: dict = {"reward_beta": args.reward_beta, "reward_every": args.reward_every}
+    out: dict = {}
     if args.power_alpha is not None:
         Power(args.power_alpha)
         out["power_alpha"] = args.power_alpha
@@ -329,7 +326,7 @@ def _potential_args(args: argparse.Namespace) -> dict:
     if args.reward is not None:
         out["reward"] = load_function(args.reward)
         Reward(out["reward"], args.reward_beta, args.reward_every)  # checks beta and every
-    if args.method == "sd" and len(out) > 2:
+    if args.method == "sd" and out:
         raise ValueError("sd cannot take potentials (it samples p exactly); use --method smc")
     return out
 

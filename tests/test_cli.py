@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from smcspec import LLM, cli
+from smcspec.config import SDConfig, SMCConfig
 
 
 @pytest.mark.parametrize(
@@ -202,15 +203,15 @@ def tiny_llm(tiny_llama_folder, tiny_llama_draft_folder):
 
 
 def run_generate(monkeypatch, capsys, llm, args, stdin: str | None = None):
-    """`smcspec generate ARGS --json` on `llm`; (the keyword arguments generate got, output)."""
+    """`smcspec generate ARGS --json` on `llm`; (the arguments `LLM.plan` got, output)."""
     calls = []
-    real = llm.generate
+    real = llm.plan
 
-    def spy(prompt, method=None, **settings):
-        calls.append({"prompt": prompt, "method": method, **settings})
-        return real(prompt, method, **settings)
+    def spy(prompt, decoding, sampling, potential, **kw):
+        calls.append({"prompt": prompt, "decoding": decoding, "sampling": sampling, **kw})
+        return real(prompt, decoding, sampling, potential, **kw)
 
-    monkeypatch.setattr(llm, "generate", spy)
+    monkeypatch.setattr(llm, "plan", spy)
     monkeypatch.setattr(cli, "llm_from_args", lambda args, backend=None: llm)
     if stdin is not None:
         monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
@@ -220,9 +221,11 @@ def run_generate(monkeypatch, capsys, llm, args, stdin: str | None = None):
 
 def test_generate_defaults_to_sd_and_smc_when_a_potential_is_given(monkeypatch, capsys, tiny_llm):
     call, out = run_generate(monkeypatch, capsys, tiny_llm, ["w1 w2"])
-    assert call["method"] is None and call["draft_tokens"] is None and out["method"] == "sd"
+    assert call["decoding"] == SDConfig() and out["method"] == "sd"  # sd's own K
     call, out = run_generate(monkeypatch, capsys, tiny_llm, ["w1", "--power-alpha", "2"])
-    assert out["method"] == "smc" and len(out["particle_texts"]) == 2
+    assert call["decoding"] == SMCConfig() and out["method"] == "smc"
+    assert len(out["particle_texts"]) == SMCConfig().particles
+    assert call["sampling"].max_new_tokens == 3 and call["sampling"].seed == 0
 
 
 def test_system_message_goes_before_the_prompt(monkeypatch, capsys, tiny_llm):

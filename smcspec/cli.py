@@ -109,6 +109,38 @@ def _add_sampling(gen: argparse.ArgumentParser) -> None:
         default=SamplingConfig.max_new_tokens,
         help="new tokens at most",
     )
+    gen.add_argument(
+        "--min-p",
+        type=float,
+        default=SamplingConfig.min_p,
+        help="drop tokens below this fraction of the likeliest one's probability; 0: none",
+    )
+    gen.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=SamplingConfig.repetition_penalty,
+        help="divide the positive logits of tokens already in the prompt or text; 1: none",
+    )
+    gen.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=SamplingConfig.presence_penalty,
+        help="subtract from the logit of every token the text holds, in [-2, 2]",
+    )
+    gen.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=SamplingConfig.frequency_penalty,
+        help="subtract, per occurrence in the text, from a token's logit, in [-2, 2]",
+    )
+    gen.add_argument(
+        "--logit-bias",
+        type=_bias_pair,
+        action="append",
+        default=list(SamplingConfig.logit_bias),
+        metavar="ID=BIAS",
+        help="add BIAS (in [-100, 100]) to token ID's logit (repeatable)",
+    )
     gen.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens")
     gen.add_argument(
         "--seed",
@@ -123,6 +155,16 @@ def _add_sampling(gen: argparse.ArgumentParser) -> None:
         metavar="STRING",
         help="end the text before this string (repeatable)",
     )
+
+
+def _bias_pair(text: str) -> tuple[int, float]:
+    token, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ID=BIAS, e.g. 13=-100, got {text!r}") from None
 
 
 def _add_potentials(gen: argparse.ArgumentParser) -> None:

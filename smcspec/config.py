@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Literal
 
@@ -33,12 +34,19 @@ def _is_int(value: object) -> bool:
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """What distribution to sample: the target's next-token law after temperature, top-k, top-p.
+    """What distribution to sample: the target's next-token law after logit bias, penalties,
+    temperature, top-k, top-p and min-p, in that order (see `sampling`).
 
     Every default here is the one `generate`, the CLI and the bench use (they read it from this
     class); the server starts from OpenAI's temperature instead (`SERVER_TEMPERATURE`).
-    temperature 0 means greedy. top_k 0 and top_p 1 disable truncation. draft_temperature None
-    means "same as temperature"; it only changes the proposal, never the target law.
+    temperature 0 means greedy. top_k 0, top_p 1 and min_p 0 disable truncation.
+    draft_temperature None means "same as temperature"; it only changes the proposal, never the
+    target law. The penalties read each sequence's own tokens: repetition_penalty (Hugging
+    Face's: prompt and text) divides a positive logit of a token seen and multiplies a negative
+    one; presence_penalty and frequency_penalty (OpenAI's: the generated text only) subtract
+    from a token's logit once if it occurs and once per occurrence. logit_bias maps token ids to
+    numbers added to their logits (a dict is kept as sorted (id, bias) pairs). The draft's
+    logits get the same, so sd stays exact and smc targets the adjusted law.
     """
 
     temperature: float = 0.7
@@ -48,8 +56,14 @@ class SamplingConfig:
     stop_at_eos: bool = True
     seed: int | None = None
     draft_temperature: float | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
+        self._check_adjustments()
         _require(
             isinstance(self.temperature, int | float)
             and math.isfinite(self.temperature)
@@ -80,10 +94,60 @@ class SamplingConfig:
             f"seed must be a non-negative integer, got {self.seed!r}",
         )
 
+    def _check_adjustments(self) -> None:
+        _require(
+            _is_number(self.min_p) and 0 <= self.min_p <= 1,
+            f"min_p must be in [0, 1], got {self.min_p!r}",
+        )
+        _require(
+            _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+            f"repetition_penalty must be a number > 0 (1 disables it), "
+            f"got {self.repetition_penalty!r}",
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _require(
+                _is_number(value) and -2 <= value <= 2,
+                f"{name} must be in [-2, 2], got {value!r}",
+            )
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+
     @property
     def proposal_temperature(self) -> float:
         """Temperature of the draft's proposal distribution q."""
         return self.temperature if self.draft_temperature is None else self.draft_temperature
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a logit bias or a penalty is set (they need each sequence's tokens)."""
+        return bool(self.logit_bias) or (
+            self.repetition_penalty != 1
+            or self.presence_penalty != 0
+            or self.frequency_penalty != 0
+        )
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (token id, bias) pairs, from a mapping (ids may be numeric strings,
+    as in JSON) or pairs; each bias in [-100, 100] as in OpenAI's API."""
+    items = bias.items() if isinstance(bias, Mapping) else bias
+    pairs = {}
+    try:
+        for key, value in items:  # type: ignore[union-attr]
+            token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+            _require(_is_int(token) and token >= 0, f"logit_bias: {key!r} is not a token id")
+            _require(
+                _is_number(value) and -100 <= value <= 100,
+                f"logit_bias: the bias of token {token} must be in [-100, 100], got {value!r}",
+            )
+            pairs[token] = float(value)
+    except TypeError as err:
+        raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}") from err
+    return tuple(sorted(pairs.items()))
 
 
 # Each front end (generate's keywords, the CLI, the server) passes these by name, so a new field

@@ -1,8 +1,10 @@
 """Pure functions from logits to the next-token law, and sampling from it.
 
-The law every method targets is  softmax(logits / T)  restricted to the top-k tokens, then to the
-smallest nucleus of mass >= top_p, renormalized (the order Hugging Face uses). T = 0 is greedy:
-all mass on the arg-max token.
+The law every method targets is  softmax(l / T)  restricted to the top-k tokens, then to the
+smallest nucleus of mass >= top_p, then to the tokens of probability >= min_p times the largest
+(the order Hugging Face uses), renormalized. T = 0 is greedy: all mass on the arg-max token.
+The logits l are the model's, adjusted first for the sequence they continue (`adjust`):
+logit_bias added, then the repetition penalty, then the presence and frequency penalties.
 
 Extremes never make a NaN law nor an id outside the vocabulary: a NaN logit is a token of
 probability 0, +inf the largest finite logit, and a row whose scaled logits overflow takes the
@@ -11,13 +13,24 @@ greedy law (see `log_probs`).
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from smcspec.config import SamplingConfig
 
 NEG_INF = float("-inf")
 
 
 def log_probs(
-    logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
 ) -> torch.Tensor:
     """Normalized log-probabilities of the truncated, tempered law.  [..., V] -> [..., V].
 
@@ -39,6 +52,8 @@ def log_probs(
         scaled = _keep_top_k(scaled, top_k)
     if top_p < 1.0:
         scaled = _keep_top_p(scaled, top_p)
+    if min_p > 0.0:
+        scaled = _keep_min_p(scaled, min_p)
     return torch.log_softmax(scaled, dim=-1)
 
 
@@ -72,6 +87,98 @@ def _keep_top_p(scaled: torch.Tensor, top_p: float) -> torch.Tensor:
     keep_sorted[..., 0] = True
     keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
     return scaled.masked_fill(~keep, NEG_INF)
+
+
+def _keep_min_p(scaled: torch.Tensor, min_p: float) -> torch.Tensor:
+    # p_i >= min_p * p_max  <=>  l_i >= l_max + log(min_p): no softmax needed, and the arg-max
+    # always stays.
+    floor = scaled.max(dim=-1, keepdim=True).values + math.log(min_p)
+    return scaled.masked_fill(scaled < floor, NEG_INF)
+
+
+def law(
+    logits: torch.Tensor,
+    cfg: SamplingConfig,
+    temperature: float,
+    context: Sequence[torch.Tensor],
+    prompt_len: int,
+) -> torch.Tensor:
+    """The next-token law (log-probabilities) at each position of logits [B, P, V]: `adjust`ed
+    for the sequences they continue, then `log_probs` at `temperature` with cfg's truncation.
+    context: pieces [B, *] that joined along dim 1 are the prompt, the text and the P - 1 tokens
+    fed before the last position; they are joined (and moved to the logits' device) only when
+    an adjustment needs them."""
+    if cfg.adjusts_logits:
+        tokens = torch.cat([piece.to(logits.device) for piece in context], dim=1)
+        logits = adjust(logits, tokens, prompt_len, cfg)
+    return log_probs(logits, temperature, cfg.top_k, cfg.top_p, cfg.min_p)
+
+
+def adjust(
+    logits: torch.Tensor, tokens: torch.Tensor, prompt_len: int, cfg: SamplingConfig
+) -> torch.Tensor:
+    """Logits [B, P, V] adjusted for the sequence each continues: position j of row b follows
+    tokens[b, : T - P + 1 + j] (tokens [B, T]: the prompt, the text so far, then the P - 1
+    tokens the earlier positions were fed, e.g. a round's drafts). Unchanged (the same tensor)
+    when `cfg` sets no logit bias and no penalty.
+
+    In order: l += logit_bias; repetition penalty r on every token of the prompt and text
+    (l / r where l > 0, l * r elsewhere); l -= frequency * c + presence * [c > 0], with c the
+    token's count in the generated text (tokens past prompt_len)."""
+    if not cfg.adjusts_logits:
+        return logits
+    b, p, v = logits.shape
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    tokens = tokens.to(logits.device)
+    start = tokens.shape[1] - p + 1  # the first position's context length
+    seen = torch.zeros(b, v, dtype=torch.bool, device=logits.device)
+    seen.scatter_(1, tokens[:, :start], True)
+    counts = torch.zeros(b, v, dtype=dtype, device=logits.device)
+    ones = torch.ones_like(tokens, dtype=dtype)
+    counts.scatter_add_(1, tokens[:, prompt_len:start], ones[:, prompt_len:start])
+    bias = _bias(cfg, v, dtype, logits.device)
+    out = []
+    for j in range(p):
+        if j > 0:  # the position after token j - 1 of the block
+            x = tokens[:, start + j - 1 : start + j]  # [B, 1]
+            seen.scatter_(1, x, True)
+            counts.scatter_add_(1, x, ones[:, :1])
+        out.append(_penalize(logits[:, j].to(dtype), seen, counts, bias, cfg))
+    return torch.stack(out, dim=1)
+
+
+def _bias(
+    cfg: SamplingConfig, vocab: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor | None:
+    """logit_bias as a dense [V] vector; None without one."""
+    if not cfg.logit_bias:
+        return None
+    ids, values = zip(*cfg.logit_bias, strict=True)
+    if max(ids) >= vocab:
+        raise ValueError(f"logit_bias: token {max(ids)} is outside the vocabulary ({vocab})")
+    bias = torch.zeros(vocab, dtype=dtype)
+    bias[list(ids)] = torch.tensor(values, dtype=dtype)
+    return bias.to(device)
+
+
+def _penalize(
+    logits: torch.Tensor,
+    seen: torch.Tensor,
+    counts: torch.Tensor,
+    bias: torch.Tensor | None,
+    cfg: SamplingConfig,
+) -> torch.Tensor:
+    """One position's logits [B, V], after its context's seen tokens [B, V] and generated
+    counts [B, V]."""
+    if bias is not None:
+        logits = logits + bias
+    r = cfg.repetition_penalty
+    if r != 1:
+        logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+    if cfg.frequency_penalty != 0 or cfg.presence_penalty != 0:
+        present = (counts > 0).float()
+        logits = logits - cfg.frequency_penalty * counts - cfg.presence_penalty * present
+    return logits
 
 
 def sample(logp: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

@@ -281,8 +281,19 @@ def test_every_default_is_read_from_the_configs():
     assert parser.parse_args(["bench", "speed"]).temperatures == str(sampling.temperature)
 
 
-# A value other than the default for every SamplingConfig field a user sets by its own name.
-GIVEN = {"temperature": 0.3, "top_k": 5, "top_p": 0.5, "draft_temperature": 0.9}
+# For every SamplingConfig field a user sets by its own name: a value other than the default
+# (as generate and the server take it), as the CLI's flag takes it, and as the config holds it.
+GIVEN = {
+    "temperature": (0.3, "0.3", 0.3),
+    "top_k": (5, "5", 5),
+    "top_p": (0.5, "0.5", 0.5),
+    "draft_temperature": (0.9, "0.9", 0.9),
+    "min_p": (0.1, "0.1", 0.1),
+    "repetition_penalty": (1.3, "1.3", 1.3),
+    "presence_penalty": (0.5, "0.5", 0.5),
+    "frequency_penalty": (-0.25, "-0.25", -0.25),
+    "logit_bias": ({"3": 2.0}, "3=2", ((3, 2.0),)),
+}
 
 
 def test_every_sampling_field_reaches_every_front_end():
@@ -290,19 +301,19 @@ def test_every_sampling_field_reaches_every_front_end():
     flag and its server field: a value given to generate's keywords, to the CLI and to the
     server arrives in the config. (max_new_tokens is the server's max_tokens, stop_at_eos the
     CLI's --ignore-eos, seed per choice: covered by their own tests.)"""
-    from smcspec.config import SAMPLING_FIELDS
+    from smcspec.config import SAMPLING_FIELDS, SamplingConfig
     from smcspec.engine.request import settings_from_keywords
     from smcspec.server.runtime import _sampling
     from smcspec.server.schema import CompletionRequest
 
     assert set(SAMPLING_FIELDS) == set(GIVEN) | {"max_new_tokens", "stop_at_eos", "seed"}
-    for name, value in GIVEN.items():
-        assert getattr(settings_from_keywords(None, None, **{name: value})[1], name) == value
+    for name, (value, text, held) in GIVEN.items():
+        assert getattr(settings_from_keywords(None, None, **{name: value})[1], name) == held
         flag = "--" + name.replace("_", "-")
-        args = cli.build_parser().parse_args(["generate", "x", flag, str(value)])
-        assert cli._sampling_settings(args)[name] == value, flag
+        args = cli.build_parser().parse_args(["generate", "x", flag, text])
+        assert getattr(SamplingConfig(**cli._sampling_settings(args)), name) == held, flag
         body = CompletionRequest(model="m", prompt="x", **{name: value})
-        assert _sampling(body, temperature=1.0)[name] == value, name
+        assert getattr(SamplingConfig(**_sampling(body, temperature=1.0)), name) == held, name
     with pytest.raises(TypeError, match="'top_q'"):
         settings_from_keywords(None, None, top_q=0.5)
 

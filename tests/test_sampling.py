@@ -125,3 +125,61 @@ def test_sample_stays_in_the_vocabulary_on_a_row_without_mass():
 
 
 NEG = float("-inf")
+
+
+def test_min_p_keeps_the_tokens_within_a_fraction_of_the_likeliest():
+    """Hugging Face's min-p: keep p_i >= min_p * max p (after temperature), renormalize."""
+    p = torch.softmax(LOGITS / 0.8, -1)
+    for min_p in (0.1, 0.3, 0.5, 1.0):
+        keep = p >= min_p * p.max()
+        want = torch.where(keep, p / p[keep].sum(), torch.zeros_like(p))
+        got = sampling.log_probs(LOGITS, 0.8, min_p=min_p).exp()
+        torch.testing.assert_close(got, want)
+    assert probs(sampling.log_probs(LOGITS, 0.8, min_p=0.0)) == probs(torch.log(p))
+
+
+def reference_adjust(logits: list[float], context: list[int], prompt_len: int, cfg) -> list[float]:
+    """The adjustments one token at a time, in float64, from their definitions."""
+    out = []
+    generated = context[prompt_len:]
+    for token, value in enumerate(logits):
+        value += dict(cfg.logit_bias).get(token, 0.0)
+        if token in context:
+            r = cfg.repetition_penalty
+            value = value / r if value > 0 else value * r
+        count = generated.count(token)
+        value -= cfg.frequency_penalty * count + cfg.presence_penalty * (count > 0)
+        out.append(value)
+    return out
+
+
+def test_adjust_follows_the_definitions_at_every_position_of_a_block():
+    """Two rows, a block of three positions: position j follows the prompt, the text and the
+    block's first j tokens (repetition over all of them, presence / frequency over the text)."""
+    from smcspec.config import SamplingConfig
+
+    cfg = SamplingConfig(
+        repetition_penalty=1.7,
+        presence_penalty=0.6,
+        frequency_penalty=0.3,
+        logit_bias={"2": -1.25, 4: 3.0},
+    )
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 3, 6, generator=g, dtype=torch.float64) * 2
+    tokens = torch.tensor([[1, 5, 2, 2, 3, 0], [4, 4, 0, 1, 1, 1]])  # prompt 2, text 2, drafts 2
+    got = sampling.adjust(logits, tokens, 2, cfg)
+    for b in range(2):
+        for j in range(3):
+            context = tokens[b, : 4 + j].tolist()
+            want = reference_adjust(logits[b, j].tolist(), context, 2, cfg)
+            torch.testing.assert_close(got[b, j], torch.tensor(want, dtype=torch.float64))
+    assert sampling.adjust(logits, tokens, 2, SamplingConfig()) is logits  # nothing to do
+
+
+def test_a_bias_outside_the_vocabulary_is_refused():
+    from smcspec.config import SamplingConfig
+
+    with pytest.raises(ValueError, match="token 9 is outside the vocabulary"):
+        sampling.adjust(
+            torch.zeros(1, 1, 4), torch.tensor([[1]]), 1, SamplingConfig(logit_bias={9: 1})
+        )

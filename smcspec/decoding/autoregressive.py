@@ -51,10 +51,11 @@ class AutoregressiveDecoder:
             new: list[int] = []
             while len(new) < sampling_cfg.max_new_tokens:
                 with clock.stage("verify"):
-                    logits = self.target.forward(pending(seq, cache), cache, 1)[:, -1]  # [1, V]
-                    logp = sampling.log_probs(
-                        logits, sampling_cfg.temperature, sampling_cfg.top_k, sampling_cfg.top_p
-                    )
+                    logits = self.target.forward(pending(seq, cache), cache, 1)[:, -1:]
+                    # [1, 1, V] -> the law [1, V]
+                    logp = sampling.law(
+                        logits, sampling_cfg, sampling_cfg.temperature, [seq], len(prompt)
+                    )[:, 0]
                 if guide is not None:  # potentials live on the host
                     logp, norm = guide.shaped([0], logp.cpu())
                     if torch.isneginf(norm).all():

@@ -155,13 +155,13 @@ class SMCDecoder:
         seqs = pop.live_sequences(prompt)  # [B, L + G]
         guide.begin(pop.live.tolist())
         with clock.stage("draft"):
-            drafts, logq_x = self._propose(seqs, d_cache, k, s, generator, guide)  # [B, k] each
+            drafts, logq_x = self._propose(seqs, d_cache, k, s, generator, guide, prompt.numel())
         with clock.stage("verify"):
             feed = torch.cat([pending(seqs, t_cache).to(drafts.device), drafts], dim=1)
             logits = self.target.forward(feed, t_cache, k + 1)  # [B, k + 1, V]
             if guide.on_host:
                 logits = logits.cpu()
-            logp = sampling.log_probs(logits, s.temperature, s.top_k, s.top_p)
+            logp = sampling.law(logits, s, s.temperature, [seqs, drafts], prompt.numel())
             # no-ops but for k = 0, whose empty drafts never met the device
             drafts, logq_x = drafts.to(logp.device), logq_x.to(logp.device)
             logp_x = sampling.pick(logp[:, :k], drafts)  # [B, k]
@@ -190,19 +190,22 @@ class SMCDecoder:
         s: SamplingConfig,
         generator: torch.Generator,
         guide: RoundGuide,
+        prompt_len: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft tokens [B, k] and their log proposal probability [B, k]: k batched draft steps
-        from the guide's proposal law (q itself without a potential)."""
+        from the guide's proposal law (q itself without a potential). seqs [B, T]: the prompt
+        (prompt_len tokens) and each particle's text."""
         b = seqs.shape[0]
         tokens: list[torch.Tensor] = []  # each [B], on the draft's device
         logq_x: list[torch.Tensor] = []
         feed = pending(seqs, cache)
         for _ in range(k):
-            logits = self.draft.forward(feed, cache, 1)[:, -1]  # [B, V]
+            logits = self.draft.forward(feed, cache, 1)[:, -1:]  # [B, 1, V]
             if guide.on_host:
                 logits = logits.cpu()
-            logq = sampling.log_probs(logits, s.proposal_temperature, s.top_k, s.top_p)
-            logq = guide.proposal(logq)
+            context = [seqs, *(t[:, None] for t in tokens)]
+            logq = sampling.law(logits, s, s.proposal_temperature, context, prompt_len)[:, 0]
+            logq = guide.proposal(logq)  # [B, V]
             x = sampling.sample(logq, generator)  # [B], stays on the device: no sync
             tokens.append(x)
             logq_x.append(sampling.pick(logq, x))

@@ -53,11 +53,12 @@ class SpeculativeDecoder:
             while not done and len(new) < s.max_new_tokens:
                 k = min(self.config.draft_tokens, s.max_new_tokens - len(new) - 1)
                 with clock.stage("draft"):
-                    drafts, logq = self._propose(seq, d_cache, k, s, generator)  # [k], [k, V]
+                    drafts, logq = self._propose(seq, d_cache, k, s, generator, len(prompt))
                 with clock.stage("verify"):
                     feed = torch.cat([pending(seq, t_cache).to(drafts.device), drafts[None]], 1)
-                    logits = self.target.forward(feed, t_cache, k + 1)[0]  # [k + 1, V]
-                    logp = sampling.log_probs(logits, s.temperature, s.top_k, s.top_p)
+                    logits = self.target.forward(feed, t_cache, k + 1)  # [1, k + 1, V]
+                    context = [seq, drafts[None]]
+                    logp = sampling.law(logits, s, s.temperature, context, len(prompt))[0]
                 block, n_accepted, n_checked, done = self._accept(drafts, logq, logp, s, generator)
                 rounds += 1
                 proposed += n_checked
@@ -87,14 +88,17 @@ class SpeculativeDecoder:
         k: int,
         s: SamplingConfig,
         generator: torch.Generator,
+        prompt_len: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K draft tokens [k] and the draft law q at each of them [k, V]."""
+        """K draft tokens [k] and the draft law q at each of them [k, V]. seq [1, T]: the
+        prompt (prompt_len tokens) and the text so far."""
         tokens: list[torch.Tensor] = []
         laws: list[torch.Tensor] = []
         feed = pending(seq, cache)
         for _ in range(k):
-            logits = self.draft.forward(feed, cache, 1)[0, -1]  # [V]
-            logq = sampling.log_probs(logits, s.proposal_temperature, s.top_k, s.top_p)
+            logits = self.draft.forward(feed, cache, 1)[:, -1:]  # [1, 1, V]
+            context = [seq, *(t.view(1, 1) for t in tokens)]
+            logq = sampling.law(logits, s, s.proposal_temperature, context, prompt_len)[0, 0]
             x = sampling.sample(logq, generator)
             tokens.append(x)
             laws.append(logq)

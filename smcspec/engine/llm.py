@@ -232,6 +232,11 @@ class LLM:
                 "sd targets p exactly by rejection and cannot take potentials; use smc (or ar)"
             )
         sampling = SamplingConfig() if sampling is None else sampling
+        if sampling.logit_bias and sampling.logit_bias[-1][0] >= self.vocab_size:
+            raise ValueError(
+                f"logit_bias: token {sampling.logit_bias[-1][0]} is outside the vocabulary "
+                f"({self.vocab_size} tokens)"
+            )
         ids = self.encode(prompt, chat)
         seed = secrets.randbits(63) if sampling.seed is None else sampling.seed
         return Request(ids, decoding, sampling, potential, seed, stops)

@@ -106,7 +106,8 @@ def sequence_law(
     model: ToyLM, prompt: list[int], sampling_cfg: SamplingConfig, temperature: float | None = None
 ) -> dict[tuple[int, ...], float]:
     """Exact probability of every continuation (ending at EOS or at max_new_tokens) under the
-    model's next-token law after temperature / top-k / top-p."""
+    model's next-token law after logit bias, penalties, temperature, top-k, top-p and min-p
+    (`sampling.law`)."""
     temp = sampling_cfg.temperature if temperature is None else temperature
     law: dict[tuple[int, ...], float] = {}
     for seq, logp in _walk(model, tuple(prompt), (), 0.0, sampling_cfg, temp):
@@ -128,8 +129,9 @@ def _walk(
     if done:
         yield generated, logp_so_far
         return
-    logits = model.logits(prompt + generated)
-    logp = sampling.log_probs(logits.double(), temperature, cfg.top_k, cfg.top_p)
+    logits = model.logits(prompt + generated).double()[None, None]  # [1, 1, V]
+    context = [torch.tensor([prompt + generated])]
+    logp = sampling.law(logits, cfg, temperature, context, len(prompt))[0, 0]
     for token in range(model.vocab_size):
         if logp[token] > float("-inf"):
             yield from _walk(

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from smcspec.config import MAX_PARTICLES, RESAMPLING_SCHEMES
 
 MAX_STOPS = 4
+MAX_LOGIT_BIAS = 1024  # token ids a request may bias
 MAX_CHOICES = 16
 MAX_TOTAL_CHOICES = 64  # prompts x n
 # Validation holds the GIL (and so the event loop) for ~6 us a message: 4096 take ~25 ms.
@@ -60,10 +61,10 @@ class GenerationFields(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     user: str | None = None
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     # OpenAI fields smcspec does not implement: only their neutral values.
-    frequency_penalty: float | None = Field(None, ge=0, le=0)
-    presence_penalty: float | None = Field(None, ge=0, le=0)
-    logit_bias: dict[str, float] | None = Field(None, max_length=0)
     logprobs: Any = None
     response_format: ResponseFormat | None = None
     # smcspec's own settings, named as on the CLI.
@@ -75,6 +76,8 @@ class GenerationFields(BaseModel):
     power_alpha: float | None = Field(None, gt=0, le=64)
     draft_temperature: float | None = Field(None, ge=0, le=2)
     top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False
     return_particles: bool = False
 

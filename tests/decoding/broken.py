@@ -10,6 +10,9 @@ Bug -> what it does wrong -> the test that rejects it:
 - WrongDraftTemperatureWeights: q scored at the target's temperature -> unnormalized measure
 - SDWithoutResidual: a rejected draft is redrawn from p, not (p - q)+ -> sd chi-square
 - SDOneUniformPerRound: one uniform decides all K accept tests of a round -> sd chi-square
+- adjust_with_stale_context: a verify pass's positions penalized for the text before the round,
+  forgetting the drafts they follow -> sd chi-square, smc unnormalized measure
+- adjust_counting_the_prompt: presence / frequency counted over the prompt too -> ar chi-square
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ from smcspec.decoding.speculative import SpeculativeDecoder
 class NoDraftCorrection(SMCDecoder):
     """Weights use log p only: the proposal's log q is dropped."""
 
-    def _propose(self, seqs, cache, k, s, generator, guide):
-        tokens, logq_x = super()._propose(seqs, cache, k, s, generator, guide)
+    def _propose(self, seqs, cache, k, s, generator, guide, prompt_len):
+        tokens, logq_x = super()._propose(seqs, cache, k, s, generator, guide, prompt_len)
         return tokens, torch.zeros_like(logq_x)
 
 
@@ -61,8 +64,8 @@ class _NoBonusNormalizer(PotentialGuide):
 class WrongDraftTemperatureWeights(SMCDecoder):
     """Drafts at `draft_temperature` but weights with q at the target's temperature."""
 
-    def _propose(self, seqs, cache, k, s, generator, guide):
-        tokens, logq_x = super()._propose(seqs, cache, k, s, generator, guide)
+    def _propose(self, seqs, cache, k, s, generator, guide, prompt_len):
+        tokens, logq_x = super()._propose(seqs, cache, k, s, generator, guide, prompt_len)
         # Re-score the drafts under q at the target temperature, on a fresh pass of the toy draft.
         logq_wrong = torch.zeros_like(logq_x)
         for row in range(seqs.shape[0]):
@@ -110,3 +113,23 @@ def _accept(dec, drafts, logq, logp, s, generator, residual=True, shared_uniform
     token = int(sampling.sample(logp[len(block)], generator))
     block.append(token)
     return block, len(drafts), len(drafts), s.stop_at_eos and token in eos
+
+
+_adjust = sampling.adjust
+
+
+def adjust_with_stale_context(logits, tokens, prompt_len, cfg):
+    """`sampling.adjust` with every position of a block scored after the text before the block:
+    the drafts a position follows are left out of its counts."""
+    start = tokens.shape[1] - logits.shape[1] + 1
+    context = tokens[:, :start]
+    return torch.cat(
+        [_adjust(logits[:, j : j + 1], context, prompt_len, cfg) for j in range(logits.shape[1])],
+        dim=1,
+    )
+
+
+def adjust_counting_the_prompt(logits, tokens, prompt_len, cfg):
+    """`sampling.adjust` with the prompt's tokens counted by the presence and frequency
+    penalties (OpenAI's count the generated text only)."""
+    return _adjust(logits, tokens, 0, cfg)

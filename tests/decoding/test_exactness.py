@@ -14,9 +14,11 @@ from collections import Counter
 import pytest
 import torch
 
+from smcspec import sampling
 from smcspec.config import SamplingConfig, SDConfig
 from smcspec.decoding import AutoregressiveDecoder, SpeculativeDecoder
 from smcspec.models.toy import sequence_law
+from tests.decoding import broken
 from tests.decoding.broken import SDOneUniformPerRound, SDWithoutResidual
 from tests.decoding.conftest import PROMPT
 from tests.stats import ALPHA, chi_square_pvalue
@@ -32,6 +34,16 @@ SETTINGS = {
         temperature=1.0, draft_temperature=0.5, max_new_tokens=3
     ),
     "ignore eos": SamplingConfig(temperature=1.0, max_new_tokens=3, stop_at_eos=False),
+    # The draft's logits are adjusted alike; each position for its own context, drafts included.
+    "penalties and bias": SamplingConfig(
+        temperature=1.0,
+        max_new_tokens=3,
+        repetition_penalty=1.8,
+        presence_penalty=0.7,
+        frequency_penalty=0.4,
+        logit_bias={1: 1.5},
+    ),
+    "min-p": SamplingConfig(temperature=1.0, max_new_tokens=3, min_p=0.3),
 }
 
 
@@ -124,3 +136,21 @@ def test_seed_reproduces_sd_exactly(target, far_draft):
         for _ in range(2)
     ]
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize(
+    ("bug", "method"),
+    [(broken.adjust_counting_the_prompt, "ar"), (broken.adjust_with_stale_context, "sd")],
+)
+def test_power_wrong_penalty_contexts_are_caught(target, far_draft, monkeypatch, bug, method):
+    """The penalties' realistic bugs: the prompt counted by presence / frequency (ar), and a
+    verify pass scoring every position as if the round's drafts were not there (sd)."""
+    cfg = SETTINGS["penalties and bias"]
+    law = sequence_law(target, PROMPT, cfg)  # before the bug is in place
+    monkeypatch.setattr(sampling, "adjust", bug)
+    decoder = (
+        AutoregressiveDecoder(target)
+        if method == "ar"
+        else SpeculativeDecoder(target, far_draft, SDConfig(2))
+    )
+    assert chi_square_pvalue(draw(decoder, cfg, seed=3), law) < ALPHA

@@ -20,9 +20,11 @@ import numpy as np
 import pytest
 import torch
 
+from smcspec import sampling
 from smcspec.config import SamplingConfig, SMCConfig
 from smcspec.decoding import SMCDecoder
 from smcspec.models.toy import ToyLM, perturbed_lm, random_lm, sequence_law
+from tests.decoding import broken
 from tests.decoding.broken import (
     NoDraftCorrection,
     UniformFinalDraw,
@@ -260,6 +262,14 @@ def scaled(model: ToyLM, factor: float) -> ToyLM:
 
 
 SMALL_R = 1500
+PENALIZED = SamplingConfig(
+    1.0,
+    max_new_tokens=6,
+    repetition_penalty=1.8,
+    presence_penalty=0.7,
+    frequency_penalty=0.4,
+    logit_bias={1: 1.5},
+)
 # name: (sampling settings, draft from the target, SMC settings); each runs at N = 4.
 SETTINGS = {
     "top-k": (SamplingConfig(1.0, top_k=2, max_new_tokens=6), lambda t: scaled(t, 0.6), None),
@@ -274,6 +284,13 @@ SETTINGS = {
         lambda t: perturbed_lm(t, seed=24, noise=1.0),
         None,
     ),
+    "penalties and bias": (
+        PENALIZED,
+        lambda t: perturbed_lm(t, seed=26, noise=1.0),
+        None,
+    ),
+    # a flatter draft: its min-p set holds the target's
+    "min-p": (SamplingConfig(1.0, max_new_tokens=6, min_p=0.3), lambda t: scaled(t, 0.6), None),
     **{
         f"{scheme} resampling": (CFG, lambda t: perturbed_lm(t, seed=25, noise=1.0), scheme)
         for scheme in ("systematic", "multinomial", "stratified", "residual")
@@ -301,6 +318,16 @@ def test_smc_is_right_under_every_setting(pair, name):
         assert all(len(x) == 5 for x in runs.returned)
     assert unnormalized_measure_pvalue(runs, law) > ALPHA
     assert returned_follows_weights(runs, law) > ALPHA
+
+
+def test_power_penalties_that_forget_the_drafts_are_caught(pair, monkeypatch):
+    """SMC's target is the penalized law: a verify pass that scores each position without the
+    drafts it follows weights (and draws bonus tokens) by the wrong law."""
+    law = sequence_law(pair[0], PROMPT, PENALIZED)  # before the bug is in place
+    monkeypatch.setattr(sampling, "adjust", broken.adjust_with_stale_context)
+    draft = SETTINGS["penalties and bias"][1](pair[0])
+    runs = decode_runs(SMCDecoder, pair[0], draft, SMCConfig(4, 2), law, 61, PENALIZED, SMALL_R)
+    assert unnormalized_measure_pvalue(runs, law) < ALPHA
 
 
 def test_power_weights_at_the_wrong_draft_temperature_are_caught(pair):

@@ -168,7 +168,10 @@ BAD = [
     ({"prompt": PROMPT, "stop": ["a", ""]}, "stop"),
     ({"prompt": PROMPT, "stop": ""}, "stop"),
     ({"prompt": PROMPT, "method": "sd", "response_format": {"type": "json_object"}}, None),
-    ({"prompt": PROMPT, "presence_penalty": 1.0}, "presence_penalty"),
+    ({"prompt": PROMPT, "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": PROMPT, "logit_bias": {"99999": 1.0}}, None),
+    ({"prompt": PROMPT, "logit_bias": {"5": 101}}, None),
+    ({"prompt": PROMPT, "min_p": 1.5}, "min_p"),
     ({"prompt": PROMPT, "n": 100}, "n"),
     ({"prompt": PROMPT, "seed": -1}, "seed"),
 ]

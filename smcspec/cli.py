@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -71,6 +72,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("-k", "--draft-tokens", type=int, default=None, help=K_HELP)
     _add_resampling(gen)
     _add_sampling(gen)
+    _add_penalties(gen)
     add_model_options(gen)
     _add_potentials(gen)
     gen.add_argument(
@@ -116,6 +118,31 @@ def _add_sampling(gen: argparse.ArgumentParser) -> None:
         help="drop tokens below this fraction of the likeliest one's probability; 0: none",
     )
     gen.add_argument(
+        "--logprobs",
+        type=int,
+        default=SamplingConfig.logprobs,
+        metavar="TOP",
+        help="with --json: each token's log-probability and the TOP likeliest (0: none)",
+    )
+    gen.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens")
+    gen.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="reproduces a run exactly (default: a random one, shown in the summary)",
+    )
+    gen.add_argument(
+        "--stop",
+        action="append",
+        default=None,
+        metavar="STRING",
+        help="end the text before this string (repeatable)",
+    )
+
+
+def _add_penalties(gen: argparse.ArgumentParser) -> None:
+    """The sampling adjustments that read the sequence's own tokens, and logit_bias."""
+    gen.add_argument(
         "--repetition-penalty",
         type=float,
         default=SamplingConfig.repetition_penalty,
@@ -140,20 +167,6 @@ def _add_sampling(gen: argparse.ArgumentParser) -> None:
         default=list(SamplingConfig.logit_bias),
         metavar="ID=BIAS",
         help="add BIAS (in [-100, 100]) to token ID's logit (repeatable)",
-    )
-    gen.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens")
-    gen.add_argument(
-        "--seed",
-        type=int,
-        default=None,
-        help="reproduces a run exactly (default: a random one, shown in the summary)",
-    )
-    gen.add_argument(
-        "--stop",
-        action="append",
-        default=None,
-        metavar="STRING",
-        help="end the text before this string (repeatable)",
     )
 
 
@@ -228,6 +241,17 @@ def _add_serve(sub) -> None:
         default=SamplingConfig.max_new_tokens,
         help="for requests that give none",
     )
+    _add_serve_limits(serve)
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="clients must send 'Authorization: Bearer KEY' on every route but /health "
+        "(default: $SMCSPEC_API_KEY, else none; the variable keeps the key out of `ps`)",
+    )
+    add_model_options(serve)
+
+
+def _add_serve_limits(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--max-running", type=int, default=64, help="requests decoded at once; others queue"
     )
@@ -255,7 +279,6 @@ def _add_serve(sub) -> None:
         default=10.0,
         help="seconds a client has to send a request's headers and body",
     )
-    add_model_options(serve)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -317,18 +340,28 @@ def _serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         shutdown_timeout=args.shutdown_timeout,
         read_timeout=args.read_timeout,
+        api_key=_api_key(args),
     )
     llm = llm_from_args(args)
     name = args.model_name or public_name(llm.names[0])
     defaults = dataclasses.replace(defaults, model_name=name)
     app = create_app(llm, defaults)
+    keyed = ", API key required" if defaults.api_key is not None else ""
     print(
-        f"smcspec: serving {defaults.model_name!r} ({llm.backend}, {llm.dtype}) on "
+        f"smcspec: serving {defaults.model_name!r} ({llm.backend}, {llm.dtype}{keyed}) on "
         f"http://{args.host}:{args.port}/v1",
         file=sys.stderr,
     )
     HTTPServer(app, args.host, args.port).run()
     return 0
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else $SMCSPEC_API_KEY (as vLLM reads VLLM_API_KEY); an empty variable is
+    unset, but an empty flag is refused rather than silently serving without a key."""
+    if args.api_key is not None:
+        return args.api_key
+    return os.environ.get("SMCSPEC_API_KEY") or None
 
 
 def _sampling_settings(args: argparse.Namespace) -> dict[str, Any]:

@@ -32,6 +32,9 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """What distribution to sample: the target's next-token law after logit bias, penalties,
@@ -46,7 +49,9 @@ class SamplingConfig:
     one; presence_penalty and frequency_penalty (OpenAI's: the generated text only) subtract
     from a token's logit once if it occurs and once per occurrence. logit_bias maps token ids to
     numbers added to their logits (a dict is kept as sorted (id, bias) pairs). The draft's
-    logits get the same, so sd stays exact and smc targets the adjusted law.
+    logits get the same, so sd stays exact and smc targets the adjusted law. logprobs: report
+    each returned token's log-probability under that law and the top `logprobs` alternatives
+    (None: none; see `decoding.logprobs`); it never changes what is sampled.
     """
 
     temperature: float = 0.7
@@ -61,6 +66,7 @@ class SamplingConfig:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self._check_adjustments()
@@ -111,6 +117,12 @@ class SamplingConfig:
                 f"{name} must be in [-2, 2], got {value!r}",
             )
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        _require(
+            self.logprobs is None
+            or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (the top alternatives "
+            f"reported beside each token's own), got {self.logprobs!r}",
+        )
 
     @property
     def proposal_temperature(self) -> float:

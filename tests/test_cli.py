@@ -293,6 +293,7 @@ GIVEN = {
     "presence_penalty": (0.5, "0.5", 0.5),
     "frequency_penalty": (-0.25, "-0.25", -0.25),
     "logit_bias": ({"3": 2.0}, "3=2", ((3, 2.0),)),
+    "logprobs": (3, "3", 3),  # the chat endpoint spells it logprobs + top_logprobs
 }
 
 

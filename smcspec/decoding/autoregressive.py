@@ -17,6 +17,7 @@ from smcspec.decoding.base import (
     start_cache,
 )
 from smcspec.decoding.guide import Guide
+from smcspec.decoding.logprobs import TokenLogprobs, score, to_host
 from smcspec.models.base import CausalLM
 from smcspec.potentials import Potential
 
@@ -45,6 +46,7 @@ class AutoregressiveDecoder:
         seq = torch.tensor([prompt], dtype=torch.long)  # [1, L]
         guide = Guide(self.potential, 1) if self.potential is not None else None
         dead_end = stopped = False
+        scores: list[TokenLogprobs] = []
         with released() as held:
             with clock.stage("prefill"):
                 cache = start_cache(self.target, seq[0], 1, held)
@@ -56,12 +58,15 @@ class AutoregressiveDecoder:
                     logp = sampling.law(
                         logits, sampling_cfg, sampling_cfg.temperature, [seq], len(prompt)
                     )[:, 0]
+                law = logp  # the target's, which logprobs report
                 if guide is not None:  # potentials live on the host
                     logp, norm = guide.shaped([0], logp.cpu())
                     if torch.isneginf(norm).all():
                         dead_end = True  # the constraint allows nothing from here
                         break
                 token = int(sampling.sample(logp, generator)[0])
+                if sampling_cfg.logprobs is not None:
+                    scores.append(self._score(law, token, sampling_cfg.logprobs))
                 if guide is not None:
                     guide.advance([0], torch.tensor([token]), torch.tensor([True]))
                 new.append(token)
@@ -78,4 +83,9 @@ class AutoregressiveDecoder:
                 bool(new and new[-1] in self.target.eos_token_ids and sampling_cfg.stop_at_eos)
                 or guide.end(0) == 0.0
             )
-        return DecodeResult(new, len(new), seconds, split, stats)
+        logprobs = TokenLogprobs.join(scores) if sampling_cfg.logprobs is not None else None
+        return DecodeResult(new, len(new), seconds, split, stats, logprobs=logprobs)
+
+    def _score(self, law: torch.Tensor, token: int, top: int) -> TokenLogprobs:
+        """The token's log-probability under the target's law [1, V], and the top others."""
+        return to_host(*score(law, torch.tensor([token], device=law.device), top))

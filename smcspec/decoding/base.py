@@ -11,6 +11,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from smcspec.config import SamplingConfig
+from smcspec.decoding.logprobs import TokenLogprobs
 from smcspec.models.base import CausalLM, KVCache
 
 STAGES = ("prefill", "draft", "verify", "resample", "other")
@@ -65,7 +66,8 @@ class DecodeResult:
     """Generated token ids (EOS included when it ended the sequence) and diagnostics.
 
     `stats` holds the method's own figures (`ARStats`, `SDStats`, `SMCStats`). `particles`
-    holds every final particle's tokens for smc.
+    holds every final particle's tokens for smc; `logprobs` the tokens' log-probabilities when
+    the sampling config asks for them.
     """
 
     tokens: list[int]
@@ -74,6 +76,7 @@ class DecodeResult:
     stage_seconds: dict[str, float]
     stats: Stats
     particles: list[list[int]] | None = None
+    logprobs: TokenLogprobs | None = None
 
     @property
     def tokens_per_second(self) -> float:

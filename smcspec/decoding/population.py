@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from smcspec.decoding import particles
+from smcspec.decoding.logprobs import ParticleLogprobs
 
 
 @dataclass
@@ -23,14 +24,18 @@ class Population:
     ess_history: list[float] = field(default_factory=list)
     resamples: int = 0
     collapses: int = 0
+    scores: ParticleLogprobs | None = None  # the tokens' log-probabilities, when asked for
 
     @classmethod
-    def start(cls, n: int, max_new: int) -> Population:
+    def start(cls, n: int, max_new: int, logprobs: int | None = None) -> Population:
+        """N empty particles; `logprobs` (the top alternatives to keep, or None) keeps each
+        token's log-probability beside it."""
         return cls(
             tokens=torch.zeros(n, max_new, dtype=torch.long),
             lengths=torch.zeros(n, dtype=torch.long),
             finished=torch.zeros(n, dtype=torch.bool),
             log_w=torch.zeros(n, dtype=torch.float64),
+            scores=None if logprobs is None else ParticleLogprobs(n, max_new, logprobs),
         )
 
     @property
@@ -67,10 +72,19 @@ class Population:
         finish some)."""
         self.log_w[self.live] += increment.double()
 
-    def extend(self, block: torch.Tensor, kept: torch.Tensor, ended: torch.Tensor) -> None:
+    def extend(
+        self,
+        block: torch.Tensor,
+        kept: torch.Tensor,
+        ended: torch.Tensor,
+        scored: tuple[torch.Tensor, ...] | None = None,
+    ) -> None:
         """Append block [B, k + 1] to the live particles: row b keeps its first kept[b] tokens
-        and is finished where ended[b] (it emitted EOS)."""
+        and is finished where ended[b] (it emitted EOS). scored: the block's `logprobs.score`
+        tensors, kept when the population keeps scores."""
         live, g = self.live, self.generated
+        if self.scores is not None and scored is not None:
+            self.scores.write(live, g, scored)
         self.tokens[live, g : g + block.shape[1]] = block
         self.lengths[live] = g + kept
         self.finished[live] = ended
@@ -83,6 +97,8 @@ class Population:
         self.tokens = self.tokens[ancestors]
         self.lengths = self.lengths[ancestors]
         self.finished = self.finished[ancestors]
+        if self.scores is not None:
+            self.scores.reorder(ancestors)
         self.log_w = torch.zeros_like(self.log_w)
         self.resamples += 1
 

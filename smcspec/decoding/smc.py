@@ -32,6 +32,7 @@ from smcspec.decoding.base import (
     rollback,
     start_cache,
 )
+from smcspec.decoding.logprobs import score
 from smcspec.decoding.population import Population
 from smcspec.decoding.smc_guide import NoGuide, PotentialGuide, RoundGuide
 from smcspec.models.base import CausalLM, KVCache
@@ -51,6 +52,16 @@ def weigh(
     counted = torch.arange(width)[None, :] <= first_eos[:, None]  # [B, k + 1]
     zero = torch.zeros((), dtype=log_ratio.dtype)
     return torch.where(counted, log_ratio, zero).sum(dim=1), first_eos + 1, ended
+
+
+def _score(
+    logp: torch.Tensor, drafts: torch.Tensor, bonus: torch.Tensor, top: int | None
+) -> tuple[torch.Tensor, ...] | None:
+    """`logprobs.score` of a round's block (drafts [B, k], then bonus [B]) under the target's
+    law at its positions (logp [B, k + 1, V]); None when no logprobs are asked for."""
+    if top is None:
+        return None
+    return score(logp, torch.cat([drafts, bonus[:, None]], dim=1), top)
 
 
 class SMCDecoder:
@@ -98,7 +109,7 @@ class SMCDecoder:
         clock = StageClock()
         n = self.config.particles
         prompt_t = torch.tensor(prompt, dtype=torch.long)
-        pop = Population.start(n, sampling_cfg.max_new_tokens)
+        pop = Population.start(n, sampling_cfg.max_new_tokens, sampling_cfg.logprobs)
         with released() as held:
             with clock.stage("prefill"):
                 caches = (
@@ -130,7 +141,8 @@ class SMCDecoder:
             chosen_particle=choice,
         )
         guide.report(stats, pop)
-        return DecodeResult(all_tokens[choice], rounds, seconds, split, stats, all_tokens)
+        logprobs = None if pop.scores is None else pop.scores.of(choice, int(pop.lengths[choice]))
+        return DecodeResult(all_tokens[choice], rounds, seconds, split, stats, all_tokens, logprobs)
 
     def _draw_answer(self, weights: torch.Tensor, generator: torch.Generator) -> int:
         """The returned particle: i with probability W_i [N], so that the output's law is the
@@ -166,6 +178,7 @@ class SMCDecoder:
             drafts, logq_x = drafts.to(logp.device), logq_x.to(logp.device)
             logp_x = sampling.pick(logp[:, :k], drafts)  # [B, k]
             bonus, log_ratio = guide.bonus(logp, logp_x, logq_x, generator)  # [B], [B, k + 1]
+            scored = _score(logp, drafts, bonus, s.logprobs)
             # The round's one host sync: the bookkeeping below runs on the host.
             drafts, bonus, log_ratio = drafts.cpu(), bonus.cpu(), log_ratio.cpu()
         rows_before = pop.live
@@ -177,7 +190,7 @@ class SMCDecoder:
                 rollback(cache, prompt.numel() + pop.generated)
         else:
             pop.reweight(increment)
-            pop.extend(block, kept, ended)
+            pop.extend(block, kept, ended, scored)
             guide.committed(pop, bonus)
         with clock.stage("resample"):
             self._maybe_resample(pop, rows_before, caches, generator, guide)
@@ -235,8 +248,11 @@ class SMCDecoder:
         """The round would leave every weight zero: instead of it, each live particle gets one
         token drawn exactly from p (logp_first [B, V]), at no weight."""
         pop.collapses += 1
-        token = sampling.sample(logp_first, generator).cpu()  # [B]
-        pop.extend(token[:, None], torch.ones_like(token), torch.isin(token, self._eos(s)))
+        token = sampling.sample(logp_first, generator)  # [B]
+        top = s.logprobs
+        scored = None if top is None else score(logp_first[:, None], token[:, None], top)
+        token = token.cpu()
+        pop.extend(token[:, None], torch.ones_like(token), torch.isin(token, self._eos(s)), scored)
 
     def _maybe_resample(
         self,

@@ -23,6 +23,7 @@ from smcspec.decoding.base import (
     rollback,
     start_cache,
 )
+from smcspec.decoding.logprobs import TokenLogprobs, score, to_host
 from smcspec.models.base import CausalLM
 
 
@@ -50,6 +51,7 @@ class SpeculativeDecoder:
             new: list[int] = []
             rounds = proposed = accepted_total = 0
             done = stopped = False
+            scores: list[TokenLogprobs] = []
             while not done and len(new) < s.max_new_tokens:
                 k = min(self.config.draft_tokens, s.max_new_tokens - len(new) - 1)
                 with clock.stage("draft"):
@@ -64,6 +66,8 @@ class SpeculativeDecoder:
                 proposed += n_checked
                 accepted_total += n_accepted
                 block = block[: s.max_new_tokens - len(new)]
+                if s.logprobs is not None:  # block[i] was drawn at position i of the round
+                    scores.append(_score(logp[: len(block)], block, s.logprobs))
                 new.extend(block)
                 seq = torch.cat([seq, torch.tensor([block])], dim=1)
                 rollback(t_cache, seq.shape[1])
@@ -71,6 +75,7 @@ class SpeculativeDecoder:
                 if not done and watch is not None and watch(new):
                     stopped = done = True
         seconds, split = clock.finish()
+        logprobs = TokenLogprobs.join(scores) if s.logprobs is not None else None
         stats = SDStats(
             stopped=stopped,
             proposed_tokens=proposed,
@@ -79,7 +84,7 @@ class SpeculativeDecoder:
             mean_accepted_length=accepted_total / rounds if rounds else None,
             tokens_per_round=len(new) / rounds if rounds else None,
         )
-        return DecodeResult(new, rounds, seconds, split, stats)
+        return DecodeResult(new, rounds, seconds, split, stats, logprobs=logprobs)
 
     def _propose(
         self,
@@ -147,3 +152,8 @@ def _residual(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
     if total <= 0:
         return logp
     return (diff / total).log()
+
+
+def _score(logp: torch.Tensor, block: list[int], top: int) -> TokenLogprobs:
+    """The block's tokens under the target's law at their positions (logp [len(block), V])."""
+    return to_host(*score(logp, torch.tensor(block, device=logp.device), top))

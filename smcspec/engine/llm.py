@@ -31,6 +31,7 @@ from smcspec.decoding import (
     SpeculativeDecoder,
 )
 from smcspec.decoding.base import Stats, Watch
+from smcspec.decoding.logprobs import TokenLogprobs
 from smcspec.engine.loading import load_pair
 from smcspec.engine.request import Request, build_potential, settings_from_keywords
 from smcspec.engine.scheduler import Job, Scheduler
@@ -54,6 +55,7 @@ class GenerationResult:
     diagnostics: dict[str, Any] = field(default_factory=dict)
     particle_texts: list[str] | None = None
     stats: Stats | None = None
+    logprobs: TokenLogprobs | None = None  # one entry per token of token_ids, when asked for
 
     def to_dict(self) -> dict[str, Any]:
         out = {"text": self.text, "token_ids": self.token_ids, "method": self.method}
@@ -61,6 +63,11 @@ class GenerationResult:
         out.update(self.diagnostics)
         if self.particle_texts is not None:
             out["particle_texts"] = self.particle_texts
+        if self.logprobs is not None:
+            out["logprobs"] = {
+                "token_logprobs": self.logprobs.chosen,
+                "top_logprobs": [[list(pair) for pair in top] for top in self.logprobs.top],
+            }
         return out
 
 
@@ -207,6 +214,19 @@ class LLM:
         finally:
             scheduler.shutdown()
 
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        method: str | None = None,
+        **settings: Any,
+    ) -> GenerationResult | list[GenerationResult]:
+        """`generate` on a chat (OpenAI-style role/content dicts) through the chat template, as
+        vLLM's `LLM.chat`; a list of chats goes through `generate_batch` and gives a list."""
+        if messages and isinstance(messages[0], list):
+            chats = [self.encode_messages(m) for m in messages]
+            return self.generate_batch(chats, method, **settings)
+        return self.generate(self.encode_messages(messages), method, **settings)
+
     def plan(
         self,
         prompt: str | list[int],
@@ -337,8 +357,9 @@ class LLM:
             texts = [self.decode_text(p) for p in result.particles]
         reason = self._finish_reason(result.tokens, request.sampling, text.stopped)
         tokens = result.tokens[: text.tokens_used]
+        logprobs = None if result.logprobs is None else result.logprobs.cut(len(tokens))
         return GenerationResult(
-            text.sent, tokens, request.method, reason, diagnostics, texts, result.stats
+            text.sent, tokens, request.method, reason, diagnostics, texts, result.stats, logprobs
         )
 
     def _finish_reason(self, tokens: list[int], sampling: SamplingConfig, stopped: bool) -> str:

@@ -9,12 +9,15 @@ that can no longer change: committed tokens for ar and sd, the particles' common
 and the rest once the final particle is drawn.
 
 Parsing, templating, tokenizing and planning run in worker threads, so a large body never holds
-up the event loop; bodies over `max_body_bytes` are refused before anything parses them.
+up the event loop; bodies over `max_body_bytes`, and requests without the server's API key (when
+it has one), are refused before anything reads them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import secrets
 import time
@@ -29,7 +32,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -43,10 +46,18 @@ from smcspec.server.runtime import (
     Choice,
     ServeDefaults,
     Server,
+    logprobs_view,
     public_name,
     result_of,
 )
-from smcspec.server.schema import ChatRequest, CompletionRequest, GenerationFields
+from smcspec.server.schema import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    GenerationFields,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
 
 __all__ = ["HTTPServer", "ServeDefaults", "create_app"]
 
@@ -54,6 +65,7 @@ POLL_S = 0.25  # how often a waiting non-streaming request checks that its clien
 KEEP_ALIVE_S = 5.0  # an idle keep-alive connection is closed after this
 CLOSE_S = 2.0  # after the grace period, how long cancelled requests get to send their errors
 MAX_HEADER_BYTES = 16 * 1024
+OPEN_PATHS = frozenset({"/health"})  # answered without the API key: load balancers probe it
 
 
 async def _gather(
@@ -104,18 +116,20 @@ def _sse(payload: dict | str) -> str:
 
 
 class _Guard:
-    """Counts requests by route and status, and refuses a body over `max_body` bytes with a 413
-    before anything parses it. Pure ASGI: Starlette's BaseHTTPMiddleware would hide a client's
+    """Counts requests by route and status, and refuses before anything reads the body: a
+    request without the API key (when the server has one) with a 401, a declared body over
+    `max_body_bytes` with a 413. Pure ASGI: Starlette's BaseHTTPMiddleware would hide a client's
     hang-up from the handler, whose jobs would then run to the end."""
 
     def __init__(self, app: ASGIApp, server: Server) -> None:
         self.app, self.server = app, server
+        key = server.defaults.api_key
+        self.key_digest = None if key is None else hashlib.sha256(key.encode()).digest()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         status = 500
-        limit = self.server.defaults.max_body_bytes
 
         async def counted(message: Message) -> None:
             nonlocal status
@@ -124,21 +138,49 @@ class _Guard:
             await send(message)
 
         try:
-            if _content_length(scope) > limit:
-                response = JSONResponse(_error_body(_too_large(limit)), status_code=413)
-                await response(scope, receive, counted)
+            refusal = self._refusal(scope)
+            if refusal is not None:
+                await refusal(scope, receive, counted)
             else:
+                limit = self.server.defaults.max_body_bytes
                 await self.app(scope, _bounded(receive, limit), counted)
         finally:
             route = scope.get("route")
             self.server.metrics.count_request(getattr(route, "path", "other"), status)
 
+    def _refusal(self, scope: Scope) -> Response | None:
+        problem = _key_problem(scope, self.key_digest)
+        if problem is not None:
+            body = _error_body(problem, code="invalid_api_key")
+            return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        limit = self.server.defaults.max_body_bytes
+        length = _header(scope, b"content-length") or b""
+        if length.isdigit() and int(length) > limit:
+            return JSONResponse(_error_body(_too_large(limit)), status_code=413)
+        return None
 
-def _content_length(scope: Scope) -> int:
-    for name, value in scope["headers"]:
-        if name == b"content-length":
-            return int(value) if value.isdigit() else 0
-    return 0
+
+def _key_problem(scope: Scope, key_digest: bytes | None) -> str | None:
+    """Why the request's API key is refused, or None. The tokens are compared as SHA-256
+    digests with `hmac.compare_digest`: constant time, and equal lengths, so that the time
+    taken tells a guesser neither the key's bytes nor its length. Neither key is ever echoed."""
+    if key_digest is None or scope["path"] in OPEN_PATHS:
+        return None
+    given = _header(scope, b"authorization")
+    if given is None:
+        return "no API key given: send the header 'Authorization: Bearer <key>'"
+    scheme, _, token = given.partition(b" ")
+    digest = hashlib.sha256(token.strip()).digest()
+    if not (hmac.compare_digest(digest, key_digest) and scheme.lower() == b"bearer"):
+        return "incorrect API key provided"
+    return None
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value
+    return None
 
 
 def _too_large(limit: int) -> str:
@@ -160,23 +202,40 @@ def _bounded(receive: Receive, limit: int) -> Receive:
     return bounded
 
 
-def _parse(model: type[GenerationFields], raw: bytes) -> GenerationFields:
-    """The body checked against its schema. Bytes that are not UTF-8 become lone surrogates,
-    which the runtime refuses naming the field they are in."""
+def _parse(model: type[BaseModel], raw: bytes) -> Any:
+    return _validate(model, _load(raw))
+
+
+def _load(raw: bytes) -> Any:
+    """The JSON body. Bytes that are not UTF-8 become lone surrogates, which the runtime refuses
+    naming the field they are in."""
     try:
-        data = json.loads(raw.decode("utf-8", "surrogateescape"))
+        return json.loads(raw.decode("utf-8", "surrogateescape"))
     except json.JSONDecodeError as err:
         error = {"type": "json_invalid", "loc": ("body", err.pos), "ctx": {"error": err.msg}}
         raise RequestValidationError([{**error, "msg": "JSON decode error"}]) from err
+
+
+def _validate(model: type[BaseModel], data: Any) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as err:
         raise RequestValidationError(err.errors(include_url=False)) from err
 
 
-def _body_schema(name: str) -> dict:
-    ref = {"$ref": f"#/components/schemas/{name}"}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+def _body_schema(*names: str) -> dict:
+    refs = [{"$ref": f"#/components/schemas/{name}"} for name in names]
+    schema = refs[0] if len(refs) == 1 else {"oneOf": refs}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+BODIES = (
+    CompletionRequest,
+    ChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeChatRequest,
+    DetokenizeRequest,
+)
 
 
 def _with_body_schemas(app: FastAPI) -> None:
@@ -186,7 +245,7 @@ def _with_body_schemas(app: FastAPI) -> None:
     def openapi() -> dict:
         if app.openapi_schema is None:
             schema = plain()
-            models = [(CompletionRequest, "validation"), (ChatRequest, "validation")]
+            models = [(body, "validation") for body in BODIES]
             _, defs = models_json_schema(models, ref_template="#/components/schemas/{model}")
             schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
         return app.openapi_schema
@@ -259,7 +318,32 @@ def create_app(llm: LLM, defaults: ServeDefaults) -> FastAPI:
         body, choices = await run_in_threadpool(chat_completion, await request.body())
         return await _respond(server, body, choices, request, chat=True)
 
+    _add_tokenizer_routes(app, server)
     return app
+
+
+def _add_tokenizer_routes(app: FastAPI, server: Server) -> None:
+    """vLLM's /tokenize and /detokenize, which clients use to count and inspect prompts."""
+
+    def tokenized(raw: bytes) -> dict:
+        data = _load(raw)
+        chat = isinstance(data, dict) and "messages" in data
+        return server.tokenize(
+            _validate(TokenizeChatRequest if chat else TokenizeCompletionRequest, data)
+        )
+
+    def detokenized(raw: bytes) -> dict:
+        return server.detokenize(_parse(DetokenizeRequest, raw))
+
+    schemas = _body_schema("TokenizeCompletionRequest", "TokenizeChatRequest")
+
+    @app.post("/tokenize", openapi_extra=schemas)
+    async def tokenize(request: HTTPRequest) -> dict:
+        return await run_in_threadpool(tokenized, await request.body())
+
+    @app.post("/detokenize", openapi_extra=_body_schema("DetokenizeRequest"))
+    async def detokenize(request: HTTPRequest) -> dict:
+        return await run_in_threadpool(detokenized, await request.body())
 
 
 async def _respond(
@@ -293,7 +377,8 @@ async def _respond(
     for c, result in zip(choices, results, strict=True):
         f = server.finish(result, body.return_particles)
         completion_tokens += f["tokens"]
-        item: dict[str, Any] = {"index": c.index, "finish_reason": f["reason"], "logprobs": None}
+        item: dict[str, Any] = {"index": c.index, "finish_reason": f["reason"]}
+        item["logprobs"] = logprobs_view(server.llm.decode_text, result, chat)
         if chat:
             item["message"] = {"role": "assistant", "content": result.text}
         else:
@@ -366,7 +451,9 @@ async def _stream(
                 continue
             f = server.finish(result, body.return_particles)
             completion_tokens += f["tokens"]
-            yield chunk(index, None, f["reason"], smcspec=f["smcspec"])
+            # every token's log-probability comes with the last chunk, which follows the text
+            logprobs = logprobs_view(server.llm.decode_text, result, chat)
+            yield chunk(index, None, f["reason"], smcspec=f["smcspec"], logprobs=logprobs)
         if body.stream_options is not None and body.stream_options.include_usage:
             usage = _usage(prompt_tokens, completion_tokens)
             yield _sse({**head, "object": obj, "choices": [], "usage": usage})
@@ -402,7 +489,9 @@ def _add_error_handlers(app: FastAPI) -> None:
         elif first.get("type") == "extra_forbidden":
             message = f"unknown field {param!r}"
         else:
-            message = f"{param or 'body'}: {first.get('msg', 'invalid value')}"
+            # pydantic prefixes the message a validator raises with its exception's name
+            text = first.get("msg", "invalid value").removeprefix("Value error, ")
+            message = f"{param or 'body'}: {text}"
         return JSONResponse(_error_body(message, param), status_code=400)
 
     @app.exception_handler(HTTPException)

@@ -14,9 +14,11 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import CancelledError
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from jinja2 import TemplateError
 
 from smcspec.config import (
     SAMPLING_FIELDS,
@@ -35,9 +37,13 @@ from smcspec.engine.text import check_stops
 from smcspec.server.metrics import ServerMetrics
 from smcspec.server.schema import (
     MAX_TOTAL_CHOICES,
+    ChatMessage,
     ChatRequest,
     CompletionRequest,
+    DetokenizeRequest,
     GenerationFields,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
 )
 
 # No tokenizer we know packs more characters than this into a token, so a text longer than this
@@ -67,7 +73,9 @@ SHUTTING_DOWN = ApiError("the server is shutting down", status=503, kind="server
 @dataclass(frozen=True)
 class ServeDefaults:
     """Server-wide settings; each request may override the decoding ones. None: the engine's
-    defaults (`smcspec.config`: sd, or smc for a request with a potential; each method's K)."""
+    defaults (`smcspec.config`: sd, or smc for a request with a potential; each method's K).
+    `api_key`: when set, every route but /health needs `Authorization: Bearer <api_key>`; it is
+    kept out of the repr so that no log line can show it."""
 
     model_name: str
     method: str | None = None
@@ -82,6 +90,7 @@ class ServeDefaults:
     max_body_bytes: int = 4 * 2**20
     shutdown_timeout: float = 5.0
     read_timeout: float = 10.0
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.method is not None:
@@ -96,6 +105,14 @@ class ServeDefaults:
             raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
         if not 0 < self.read_timeout < math.inf:
             raise ValueError(f"read_timeout must be > 0 seconds, got {self.read_timeout}")
+        _check_api_key(self.api_key)
+
+
+def _check_api_key(key: str | None) -> None:
+    """A key a client can send as a Bearer token (RFC 6750: visible ASCII, no spaces). The
+    message never repeats the key."""
+    if key is not None and not (key and key.isascii() and key.isprintable() and " " not in key):
+        raise ValueError("api_key must be non-empty printable ASCII without spaces")
 
 
 @dataclass
@@ -152,16 +169,11 @@ class Server:
             raise ApiError(str(err), "prompt") from err
 
     def chat_prompt(self, body: ChatRequest) -> list[list[int]]:
-        for i, m in enumerate(body.messages):
-            parts = [m.content] if isinstance(m.content, str) else [p.text for p in m.content]
-            for j, text in enumerate(parts):
-                suffix = "" if isinstance(m.content, str) else f".{j}.text"
-                check_unicode(text, f"messages.{i}.content{suffix}")
-        self._check_fits(sum(len(m.text) for m in body.messages), "messages")
-        messages = [{"role": m.role, "content": m.text} for m in body.messages]
+        messages = _message_dicts(body.messages)
+        self._check_fits(sum(len(m["content"]) for m in messages), "messages")
         try:
             return [self.llm.encode_messages(messages)]
-        except ValueError as err:
+        except (ValueError, TemplateError) as err:
             raise ApiError(str(err), "messages") from err
 
     def plan(self, body: GenerationFields, prompts: list[list[int]], param: str) -> list[Choice]:
@@ -204,6 +216,46 @@ class Server:
                     raise ApiError(str(err)) from err
                 choices.append(Choice(len(choices), plan))
         return choices
+
+    # -- vLLM's tokenizer routes ---------------------------------------------------------------
+
+    def tokenize(self, body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
+        """POST /tokenize: the ids of a text, or of messages through the chat template, with the
+        context length to compare them to (null when the model states none)."""
+        tokenizer = self._tokenizer(body.model)
+        if isinstance(body, TokenizeChatRequest):
+            text = self._templated(tokenizer, body.messages, body.add_generation_prompt)
+        else:
+            check_unicode(body.prompt, "prompt")
+            text = body.prompt
+        ids = tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+        return {"count": len(ids), "max_model_len": self.context_length, "tokens": ids}
+
+    def detokenize(self, body: DetokenizeRequest) -> dict[str, str]:
+        """POST /detokenize. Special tokens are kept, as vLLM keeps them, so that a chat
+        template's markers show."""
+        tokenizer = self._tokenizer(body.model)
+        vocab = self.llm.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise ApiError(f"token ids must lie in [0, {vocab})", "tokens")
+        return {"prompt": tokenizer.decode(body.tokens)}
+
+    def _tokenizer(self, model: str | None) -> Any:
+        if model is not None:
+            self.check_model(model)
+        if self.llm.tokenizer is None:
+            raise ApiError("this model has no tokenizer: its prompts are token ids")
+        return self.llm.tokenizer
+
+    def _templated(self, tokenizer: Any, messages: list[ChatMessage], add_generation: bool) -> str:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ApiError("this model has no chat template: tokenize a prompt", "messages")
+        try:
+            return tokenizer.apply_chat_template(
+                _message_dicts(messages), add_generation_prompt=add_generation, tokenize=False
+            )
+        except (ValueError, TemplateError) as err:
+            raise ApiError(str(err), "messages") from err
 
     def _check_fits(self, chars: int, param: str) -> None:
         """Refuse, before tokenizing it, text far longer than the context could hold."""
@@ -312,6 +364,16 @@ def _check_choices(prompts: int, n: int) -> None:
         )
 
 
+def _message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """The role/content dicts a chat template takes, each text checked to be valid Unicode."""
+    for i, m in enumerate(messages):
+        parts = [m.content] if isinstance(m.content, str) else [p.text for p in m.content]
+        for j, text in enumerate(parts):
+            suffix = "" if isinstance(m.content, str) else f".{j}.text"
+            check_unicode(text, f"messages.{i}.content{suffix}")
+    return [{"role": m.role, "content": m.text} for m in messages]
+
+
 def check_unicode(text: str, param: str) -> None:
     """Refuse text with lone surrogates (from a JSON escape, or a byte that was not UTF-8)."""
     try:
@@ -337,9 +399,57 @@ def _sampling(body: GenerationFields, temperature: float) -> dict[str, Any]:
     """The `SamplingConfig` fields the request gives by name (the dataclass's defaults for the
     rest, but the server's own default temperature), so a new field needs only its schema
     field. max_new_tokens and seed are per choice."""
-    given = {name: getattr(body, name, None) for name in SAMPLING_FIELDS}
+    given = {name: getattr(body, name, None) for name in SAMPLING_FIELDS if name != "logprobs"}
     given = {name: value for name, value in given.items() if value is not None}
-    return {"temperature": temperature} | given | {"stop_at_eos": not body.ignore_eos}
+    spelled = {"stop_at_eos": not body.ignore_eos, "logprobs": body.top_logprobs_asked}
+    return {"temperature": temperature} | given | spelled
+
+
+# What an impossible token's log-probability (-inf, which JSON cannot hold) is reported as, as
+# vLLM does.
+NO_LOGPROB = -9999.0
+
+
+def logprobs_view(decode: Callable[[list[int]], str], result: GenerationResult, chat: bool):
+    """The result's token log-probabilities in the endpoint's OpenAI shape (None if not asked):
+    chat's `{"content": [{token, logprob, bytes, top_logprobs}]}`, or the completions API's
+    `{tokens, token_logprobs, top_logprobs, text_offset}`. A token's text is its own decoding
+    (see `_piece`)."""
+    lp = result.logprobs
+    if lp is None:
+        return None
+    ids = result.token_ids
+    texts = [_piece(decode, ids[:i], t) for i, t in enumerate(ids)]
+    tops = [
+        [(_piece(decode, ids[:i], alt), max(v, NO_LOGPROB)) for alt, v in top]
+        for i, top in enumerate(lp.top)
+    ]
+    chosen = [max(v, NO_LOGPROB) for v in lp.chosen]
+    if chat:
+        return {"content": [_chat_entry(*e) for e in zip(texts, chosen, tops, strict=True)]}
+    offsets = [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+    return {
+        "tokens": texts,
+        "token_logprobs": chosen,
+        "top_logprobs": [dict(top) for top in tops],
+        "text_offset": offsets,
+    }
+
+
+def _piece(decode: Callable[[list[int]], str], before: list[int], token: int) -> str:
+    """The text `token` adds after `before` (decoded with a few tokens of context, so that a
+    tokenizer's spaces and merges come out as in the whole text; a token that ends inside a
+    multi-byte character adds nothing until the one that completes it)."""
+    context = before[-6:]
+    head, text = decode(context), decode([*context, token])
+    return text[len(head) :] if text.startswith(head) else decode([token])
+
+
+def _chat_entry(text: str, logprob: float, top: list[tuple[str, float]]) -> dict:
+    def entry(t: str, v: float) -> dict:
+        return {"token": t, "logprob": v, "bytes": list(t.encode("utf-8", "replace"))}
+
+    return {**entry(text, logprob), "top_logprobs": [entry(t, v) for t, v in top]}
 
 
 def _given(value, default):

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
-from smcspec.config import MAX_PARTICLES, RESAMPLING_SCHEMES
+from smcspec.config import MAX_LOGPROBS, MAX_PARTICLES, RESAMPLING_SCHEMES
 
 MAX_STOPS = 4
 MAX_LOGIT_BIAS = 1024  # token ids a request may bias
@@ -64,8 +64,6 @@ class GenerationFields(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
-    # OpenAI fields smcspec does not implement: only their neutral values.
-    logprobs: Any = None
     response_format: ResponseFormat | None = None
     # smcspec's own settings, named as on the CLI.
     method: Literal["ar", "sd", "smc"] | None = None
@@ -85,13 +83,17 @@ class GenerationFields(BaseModel):
     def _check(self) -> GenerationFields:
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOPS:
             raise ValueError(f"stop takes at most {MAX_STOPS} strings")
-        if self.logprobs not in (None, False, 0):
-            raise ValueError("logprobs is not supported")
         return self
 
     @property
     def token_limit(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        """`SamplingConfig.logprobs`: alternatives per token, 0 for the token's own only, None
+        when the request asks for no log-probabilities (each endpoint spells it its way)."""
+        return None
 
     @property
     def stops(self) -> list[str]:
@@ -102,6 +104,7 @@ class GenerationFields(BaseModel):
 
 class CompletionRequest(GenerationFields):
     prompt: str | list[str] | list[int] = Field(..., min_length=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = Field(False, description="not supported: must be false")
     suffix: str | None = Field(None, max_length=0)
     best_of: int | None = Field(None, ge=1, le=1)
@@ -111,6 +114,10 @@ class CompletionRequest(GenerationFields):
         if self.echo:
             raise ValueError("echo is not supported")
         return self
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(BaseModel):
@@ -135,7 +142,71 @@ class ChatMessage(BaseModel):
 class ChatRequest(GenerationFields):
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # OpenAI fields for features smcspec lacks, accepted (and ignored) where they ask for nothing,
+    # so clients that always send them work: no tools, nothing stored.
+    tools: list[dict[str, Any]] | None = None
+    parallel_tool_calls: bool | None = None
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    store: bool | None = None
+    service_tier: str | None = Field(None, max_length=64)
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        if tools:
+            raise ValueError("tool calling is not supported: send no tools (or an empty list)")
+        return tools
+
+    @field_validator("store")
+    @classmethod
+    def _not_stored(cls, store: bool | None) -> bool | None:
+        if store:
+            raise ValueError("storing completions is not supported: store must be false")
+        return store
 
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# -- vLLM's tokenizer routes -------------------------------------------------------------------
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """POST /tokenize with a text, as vLLM takes it (`model` may be left out)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str = Field(..., min_length=1)
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(BaseModel):
+    """POST /tokenize with messages, through the chat template. No special tokens by default,
+    as in vLLM: the template writes its own."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize. Strict ints: a float or a string is a client's bug, not an id."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[StrictInt] = Field(..., min_length=1)

@@ -366,3 +366,29 @@ def _stats(llm):
         result = decoder.decode(request.prompt_ids, request.sampling, torch.Generator())
         out.append(result.stats)
     return out
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_llm(tiny_llama_folder, tiny_llama_draft_folder):
+    """A pair with a word-level tokenizer and a chat template that joins the messages."""
+    target, draft = str(tiny_llama_folder), str(tiny_llama_draft_folder)
+    return LLM(target, draft, backend="native", dtype="float32")
+
+
+def test_chat_is_generate_on_the_templated_messages(tiny_chat_llm):
+    llm = tiny_chat_llm
+    chat = [{"role": "system", "content": "w5"}, {"role": "user", "content": "w1 w2"}]
+    other = [{"role": "user", "content": "w9 w3"}]
+    ids = llm.encode_messages(chat)
+    assert ids == llm.encode("w5 w1 w2", chat=False)
+    settings = {"max_new_tokens": 6, "stop_at_eos": False, "particles": 3, "draft_tokens": 2}
+    for method in ("sd", "smc"):
+        out = llm.chat(chat, method, seed=4, **settings)
+        alone = llm.generate(ids, method, seed=4, **settings)
+        assert (out.token_ids, out.text, out.method) == (alone.token_ids, alone.text, method)
+        assert len(out.token_ids) == 6
+    # a list of chats: generate_batch, chat i with seed + i, each as it decodes alone
+    outs = llm.chat([chat, other], "sd", seed=4, **settings)
+    first = llm.generate(ids, "sd", seed=4, **settings)
+    second = llm.generate(llm.encode_messages(other), "sd", seed=5, **settings)
+    assert [o.token_ids for o in outs] == [first.token_ids, second.token_ids]

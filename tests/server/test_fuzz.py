@@ -24,6 +24,8 @@ def test_the_schema_lists_every_endpoint(served):
         ("GET", "/v1/models"),
         ("POST", "/v1/completions"),
         ("POST", "/v1/chat/completions"),
+        ("POST", "/tokenize"),
+        ("POST", "/detokenize"),
     }
 
 

@@ -173,3 +173,44 @@ def test_server_streams_schema_constrained_json_on_the_default_pair(llm):
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+def test_a_tool_call_through_the_server_on_the_default_pair(llm):
+    """The OpenAI client against `smcspec serve` on the real pair, with Qwen2.5's own chat
+    template and its <tool_call> tokens: asked for the weather in Paris with a weather tool it
+    must call, smc (the default with tools) returns one well-formed call naming Paris. (Under
+    "auto" this coder model answers with a JSON code block instead: text, as auto allows.)"""
+    from smcspec.server.app import ServeDefaults
+    from tests.server.conftest import serve
+
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    handle, server, thread = serve(llm, ServeDefaults("qwen", particles=2, draft_tokens=4))
+    try:
+        out = handle.client().chat.completions.create(
+            model="qwen",
+            messages=[{"role": "user", "content": "What is the weather like in Paris?"}],
+            tools=[weather],
+            tool_choice="required",
+            max_tokens=48,
+            seed=0,
+        )
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather"
+        assert "paris" in json.loads(call.function.arguments)["city"].lower()
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

@@ -142,13 +142,16 @@ class LLM:
             raise ValueError("prompt is empty")
         return ids
 
-    def encode_messages(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_messages(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """Token ids of a chat (role/content dicts) through the tokenizer's chat template, ready
-        for the assistant's reply."""
+        for the assistant's reply; `tools` (OpenAI's function descriptions) are rendered by the
+        template, as it describes them to the model."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template: use completions with a prompt")
         text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
+            messages, tools=tools, add_generation_prompt=True, tokenize=False
         )
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         if not ids:
@@ -169,7 +172,14 @@ class LLM:
         if self._guidance is None:
             import llguidance.hf
 
-            self._guidance = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size)
+            try:
+                self._guidance = llguidance.hf.from_tokenizer(
+                    self.tokenizer, n_vocab=self.vocab_size
+                )
+            except Exception as err:  # llguidance reads byte-level (BPE) tokenizers only
+                raise ValueError(
+                    f"constraints need a tokenizer llguidance can read; this one fails: {err}"
+                ) from err
         return self._guidance
 
     def generate(

@@ -41,6 +41,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from smcspec.engine import LLM, GenerationResult
 from smcspec.engine.scheduler import Cancelled
+from smcspec.server import tools
 from smcspec.server.runtime import (
     ApiError,
     Choice,
@@ -380,7 +381,7 @@ async def _respond(
         item: dict[str, Any] = {"index": c.index, "finish_reason": f["reason"]}
         item["logprobs"] = logprobs_view(server.llm.decode_text, result, chat)
         if chat:
-            item["message"] = {"role": "assistant", "content": result.text}
+            item["message"], item["finish_reason"] = _reply(body, result.text, f["reason"])
         else:
             item["text"] = result.text
         item["smcspec"] = f["smcspec"]
@@ -401,6 +402,55 @@ def _submit_all(server: Server, choices: list[Choice], on_text) -> None:
             if c.job is not None:
                 c.job.cancel()
         raise
+
+
+def _calls_tools(body: GenerationFields) -> bool:
+    if not isinstance(body, ChatRequest):
+        return False
+    return tools.grammar_applies(body.tools, body.tool_choice_value)
+
+
+def _reply(body: GenerationFields, text: str, reason: str) -> tuple[dict[str, Any], str]:
+    """The assistant's message and the finish reason: with tools, the calls the text makes
+    become `tool_calls` (finish reason "tool_calls") and the text before them the content."""
+    if not _calls_tools(body):
+        return {"role": "assistant", "content": text}, reason
+    content, calls = tools.parse(text)
+    if not calls:
+        return {"role": "assistant", "content": text}, reason
+    return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+
+
+def _held_delta(body: GenerationFields, text: str, reason: str) -> tuple[dict[str, Any], str]:
+    """A tool-calling reply streamed at its end: one delta with its content and its calls
+    (each with its index, as OpenAI streams them)."""
+    message, reason = _reply(body, text, reason)
+    delta: dict[str, Any] = {"content": message["content"]}
+    if "tool_calls" in message:
+        delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
+    return delta, reason
+
+
+def _closing(
+    server: Server, body: GenerationFields, choice: Choice, chat: bool, chunk
+) -> tuple[list[str], int]:
+    """The last events of a finished choice (a held tool-calling reply, then the chunk with its
+    finish reason; or an error event) and its token count."""
+    try:
+        result = _outcome(server, choice.job.future)
+    except ApiError as err:
+        return [_sse(_error_body(err.message, err.param, err.code, err.kind))], 0
+    except Exception as err:
+        return [_sse(_error_body(f"generation failed: {err}", kind="server_error"))], 0
+    f = server.finish(result, body.return_particles)
+    events, reason = [], f["reason"]
+    if _calls_tools(body):
+        delta, reason = _held_delta(body, result.text, reason)
+        events.append(chunk(choice.index, None, delta=delta))
+    # every token's log-probability comes with the last chunk, which follows the text
+    logprobs = logprobs_view(server.llm.decode_text, result, chat)
+    events.append(chunk(choice.index, None, reason, smcspec=f["smcspec"], logprobs=logprobs))
+    return events, f["tokens"]
 
 
 async def _stream(
@@ -431,29 +481,21 @@ async def _stream(
                 yield _sse({**head, "object": obj, "choices": [{**item, "finish_reason": None}]})
         open_choices = {c.index for c in choices}
         completion_tokens, first = 0, True
+        hold = _calls_tools(body)  # calls are parsed from the whole reply, sent at its end
         while open_choices:
             index, delta = await queue.get()
             if delta is not None:
                 if first:
                     server.metrics.first_token.observe(time.perf_counter() - started)
                     first = False
-                yield chunk(index, delta)
+                if not hold:
+                    yield chunk(index, delta)
                 continue
             open_choices.discard(index)
-            c = choices[index]
-            try:
-                result = _outcome(server, c.job.future)
-            except ApiError as err:
-                yield _sse(_error_body(err.message, err.param, err.code, err.kind))
-                continue
-            except Exception as err:
-                yield _sse(_error_body(f"generation failed: {err}", kind="server_error"))
-                continue
-            f = server.finish(result, body.return_particles)
-            completion_tokens += f["tokens"]
-            # every token's log-probability comes with the last chunk, which follows the text
-            logprobs = logprobs_view(server.llm.decode_text, result, chat)
-            yield chunk(index, None, f["reason"], smcspec=f["smcspec"], logprobs=logprobs)
+            events, used = _closing(server, body, choices[index], chat, chunk)
+            completion_tokens += used
+            for event in events:
+                yield event
         if body.stream_options is not None and body.stream_options.include_usage:
             usage = _usage(prompt_tokens, completion_tokens)
             yield _sse({**head, "object": obj, "choices": [], "usage": usage})

@@ -34,6 +34,7 @@ from smcspec.config import (
 from smcspec.engine import LLM, GenerationResult, Request
 from smcspec.engine.scheduler import Cancelled, Job, Scheduler
 from smcspec.engine.text import check_stops
+from smcspec.server import tools
 from smcspec.server.metrics import ServerMetrics
 from smcspec.server.schema import (
     MAX_TOTAL_CHOICES,
@@ -169,12 +170,25 @@ class Server:
             raise ApiError(str(err), "prompt") from err
 
     def chat_prompt(self, body: ChatRequest) -> list[list[int]]:
-        messages = _message_dicts(body.messages)
-        self._check_fits(sum(len(m["content"]) for m in messages), "messages")
+        messages = tools.template_messages(_message_dicts(body.messages))
+        self._check_fits(sum(len(m["content"] or "") for m in messages), "messages")
+        shown = None
+        if body.tools and body.tool_choice_value != "none":
+            shown = [t.model_dump(exclude_none=True) for t in body.tools]
         try:
-            return [self.llm.encode_messages(messages)]
+            return [self.llm.encode_messages(messages, tools=shown)]
         except (ValueError, TemplateError) as err:
             raise ApiError(str(err), "messages") from err
+
+    def tool_grammar(self, body: GenerationFields) -> str | None:
+        """The grammar a chat request's tool_choice puts on the reply (None: none)."""
+        if not isinstance(body, ChatRequest) or not body.tools:
+            return None
+        tokenizer = self.llm.tokenizer
+        special = tokenizer is not None and tools.OPEN in tokenizer.get_added_vocab()
+        listed = [t.model_dump(exclude_none=True) for t in body.tools]
+        parallel = body.parallel_tool_calls is not False
+        return tools.grammar(listed, body.tool_choice_value, parallel, special)
 
     def plan(self, body: GenerationFields, prompts: list[list[int]], param: str) -> list[Choice]:
         """One checked `Request` per (prompt, sample), with its own seed."""
@@ -188,7 +202,9 @@ class Server:
         except ValueError as err:
             raise ApiError(str(err), "stop") from err
         try:  # built once: every choice shares it (each particle gets its own state)
-            potential = self.llm.build_potential(body.power_alpha, json_schema=_schema(body))
+            potential = self.llm.build_potential(
+                body.power_alpha, json_schema=_schema(body), grammar=self.tool_grammar(body)
+            )
         except ValueError as err:
             raise ApiError(str(err)) from err
         method = resolve_method(body.method or d.method, potential is not None)
@@ -252,7 +268,9 @@ class Server:
             raise ApiError("this model has no chat template: tokenize a prompt", "messages")
         try:
             return tokenizer.apply_chat_template(
-                _message_dicts(messages), add_generation_prompt=add_generation, tokenize=False
+                tools.template_messages(_message_dicts(messages)),
+                add_generation_prompt=add_generation,
+                tokenize=False,
             )
         except (ValueError, TemplateError) as err:
             raise ApiError(str(err), "messages") from err
@@ -364,14 +382,19 @@ def _check_choices(prompts: int, n: int) -> None:
         )
 
 
-def _message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """The role/content dicts a chat template takes, each text checked to be valid Unicode."""
+def _message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The dicts a chat template takes (role, content, and a call's or a tool message's
+    fields where given), each text checked to be valid Unicode."""
+    out = []
     for i, m in enumerate(messages):
-        parts = [m.content] if isinstance(m.content, str) else [p.text for p in m.content]
+        parts = [m.content] if isinstance(m.content, str) else [p.text for p in m.content or []]
         for j, text in enumerate(parts):
             suffix = "" if isinstance(m.content, str) else f".{j}.text"
             check_unicode(text, f"messages.{i}.content{suffix}")
-    return [{"role": m.role, "content": m.text} for m in messages]
+        message = {"role": m.role, "content": m.text if m.content is not None else None}
+        extra = m.model_dump(include={"tool_calls", "tool_call_id", "name"}, exclude_none=True)
+        out.append(message | extra)
+    return out
 
 
 def check_unicode(text: str, param: str) -> None:

@@ -126,14 +126,68 @@ class TextPart(BaseModel):
     text: str
 
 
+FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for function names
+MAX_TOOLS = 128
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(..., pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # the arguments always follow the schema here
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # the call a tool message answers
+
+    @model_validator(mode="after")
+    def _content_given(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (only an assistant's tool calls may omit it)")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
 
     @property
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
@@ -144,20 +198,37 @@ class ChatRequest(GenerationFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    # OpenAI fields for features smcspec lacks, accepted (and ignored) where they ask for nothing,
-    # so clients that always send them work: no tools, nothing stored.
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI fields for features smcspec lacks, accepted (and ignored) where they ask for nothing,
+    # so clients that always send them work: nothing stored.
     metadata: dict[str, str] | None = Field(None, max_length=16)
     store: bool | None = None
     service_tier: str | None = Field(None, max_length=64)
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        if tools:
-            raise ValueError("tool calling is not supported: send no tools (or an empty list)")
-        return tools
+    @model_validator(mode="after")
+    def _tools_agree(self) -> ChatRequest:
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) < len(names):
+            raise ValueError("tools: two functions have the same name")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not in tools")
+        if choice == "required" and not names:
+            raise ValueError("tool_choice asks for a call, but no tools are given")
+        if names and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("response_format and tools cannot be combined: give one of them")
+        return self
+
+    @property
+    def tool_choice_value(self) -> str | dict:
+        """tool_choice as `tools.grammar` takes it ("auto" when tools are given, else "none")."""
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.model_dump()
+        return self.tool_choice
 
     @field_validator("store")
     @classmethod

@@ -12,6 +12,7 @@ from tests.server.conftest import MODEL
 
 MESSAGES = [{"role": "system", "content": "w5"}, {"role": "user", "content": "w1 w2"}]
 CHAT = {"model": MODEL, "messages": MESSAGES, "max_tokens": 6, "seed": 3, "method": "ar"}
+FUNCTION_NAME = "tools.0.function.name"
 NEUTRAL = {
     "tools": [],
     "parallel_tool_calls": True,
@@ -39,7 +40,12 @@ def test_neutral_openai_fields_are_accepted_and_change_nothing(served):
 @pytest.mark.parametrize(
     ("extra", "param", "says"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool calling"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f g"}}]},
+            "tools.0.function.name",
+            "match",
+        ),
+        ({"tool_choice": "required"}, None, "no tools are given"),
         ({"store": True}, "store", "store must be false"),
         ({"metadata": {"k": 1}}, "metadata.k", "string"),
         ({"frobnicate": 1}, "frobnicate", "unknown field"),

@@ -73,6 +73,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     _add_resampling(gen)
     _add_sampling(gen)
     _add_penalties(gen)
+    _add_logprobs(gen)
     add_model_options(gen)
     _add_potentials(gen)
     gen.add_argument(
@@ -117,13 +118,6 @@ def _add_sampling(gen: argparse.ArgumentParser) -> None:
         default=SamplingConfig.min_p,
         help="drop tokens below this fraction of the likeliest one's probability; 0: none",
     )
-    gen.add_argument(
-        "--logprobs",
-        type=int,
-        default=SamplingConfig.logprobs,
-        metavar="TOP",
-        help="with --json: each token's log-probability and the TOP likeliest (0: none)",
-    )
     gen.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens")
     gen.add_argument(
         "--seed",
@@ -167,6 +161,23 @@ def _add_penalties(gen: argparse.ArgumentParser) -> None:
         default=list(SamplingConfig.logit_bias),
         metavar="ID=BIAS",
         help="add BIAS (in [-100, 100]) to token ID's logit (repeatable)",
+    )
+
+
+def _add_logprobs(gen: argparse.ArgumentParser) -> None:
+    gen.add_argument(
+        "--logprobs",
+        type=int,
+        default=SamplingConfig.logprobs,
+        metavar="TOP",
+        help="with --json: each token's log-probability and the TOP likeliest (0: none)",
+    )
+    gen.add_argument(
+        "--prompt-logprobs",
+        type=int,
+        default=SamplingConfig.prompt_logprobs,
+        metavar="TOP",
+        help="with --json: the same for the prompt's tokens (one more pass over the prompt)",
     )
 
 

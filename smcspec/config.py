@@ -51,7 +51,8 @@ class SamplingConfig:
     numbers added to their logits (a dict is kept as sorted (id, bias) pairs). The draft's
     logits get the same, so sd stays exact and smc targets the adjusted law. logprobs: report
     each returned token's log-probability under that law and the top `logprobs` alternatives
-    (None: none; see `decoding.logprobs`); it never changes what is sampled.
+    (None: none; see `decoding.logprobs`); prompt_logprobs: the same for the prompt's tokens
+    (one more target pass over the prompt). Neither changes what is sampled.
     """
 
     temperature: float = 0.7
@@ -67,6 +68,7 @@ class SamplingConfig:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self._check_adjustments()
@@ -117,12 +119,13 @@ class SamplingConfig:
                 f"{name} must be in [-2, 2], got {value!r}",
             )
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
-        _require(
-            self.logprobs is None
-            or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-            f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (the top alternatives "
-            f"reported beside each token's own), got {self.logprobs!r}",
-        )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _require(
+                value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS),
+                f"{name} must be an integer in [0, {MAX_LOGPROBS}] (the top alternatives "
+                f"reported beside each token's own), got {value!r}",
+            )
 
     @property
     def proposal_temperature(self) -> float:

@@ -142,7 +142,8 @@ def adjust(
         if j > 0:  # the position after token j - 1 of the block
             x = tokens[:, start + j - 1 : start + j]  # [B, 1]
             seen.scatter_(1, x, True)
-            counts.scatter_add_(1, x, ones[:, :1])
+            if start + j - 1 >= prompt_len:  # a generated token (a scored prompt's is not)
+                counts.scatter_add_(1, x, ones[:, :1])
         out.append(_penalize(logits[:, j].to(dtype), seen, counts, bias, cfg))
     return torch.stack(out, dim=1)
 

@@ -294,6 +294,7 @@ GIVEN = {
     "frequency_penalty": (-0.25, "-0.25", -0.25),
     "logit_bias": ({"3": 2.0}, "3=2", ((3, 2.0),)),
     "logprobs": (3, "3", 3),  # the chat endpoint spells it logprobs + top_logprobs
+    "prompt_logprobs": (2, "2", 2),  # completions also take echo + logprobs
 }
 
 

@@ -8,11 +8,17 @@ defines a law over whole sequences, which smc reports through its weights and lo
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from smcspec import sampling
+
+if TYPE_CHECKING:
+    from smcspec.config import SamplingConfig
+    from smcspec.models.base import CausalLM
 
 
 @dataclass
@@ -52,6 +58,25 @@ def to_host(chosen: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> To
     ids_l, values_l = ids.cpu().tolist(), values.cpu().tolist()
     top = [list(zip(i, v, strict=True)) for i, v in zip(ids_l, values_l, strict=True)]
     return TokenLogprobs(chosen.cpu().tolist(), top)
+
+
+def score_prompt(
+    model: CausalLM, prompt: list[int], cfg: SamplingConfig, top: int
+) -> TokenLogprobs:
+    """Every prompt token after the first under the target's law given the tokens before it
+    (one forward pass over the prompt); the first has none (NaN, and no alternatives)."""
+    if len(prompt) < 2:
+        return TokenLogprobs([math.nan], [[]])
+    ids = torch.tensor([prompt])
+    cache = model.new_cache()
+    try:
+        logits = model.forward(ids, cache, len(prompt))[:, :-1]  # [1, L - 1, V]
+    finally:
+        cache.release()
+    # position j follows prompt[: j + 1]; nothing of it counts as generated text
+    law = sampling.law(logits, cfg, cfg.temperature, [ids[:, :-1]], len(prompt))[0]
+    scored = to_host(*score(law, ids[0, 1:].to(law.device), top))
+    return TokenLogprobs([math.nan, *scored.chosen], [[], *scored.top])
 
 
 class ParticleLogprobs:

@@ -8,6 +8,7 @@ print(out.text, out.diagnostics["tokens_per_second"])
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from smcspec.decoding import (
     SpeculativeDecoder,
 )
 from smcspec.decoding.base import Stats, Watch
-from smcspec.decoding.logprobs import TokenLogprobs
+from smcspec.decoding.logprobs import TokenLogprobs, score_prompt
 from smcspec.engine.loading import load_pair
 from smcspec.engine.request import Request, build_potential, settings_from_keywords
 from smcspec.engine.scheduler import Job, Scheduler
@@ -56,6 +57,7 @@ class GenerationResult:
     particle_texts: list[str] | None = None
     stats: Stats | None = None
     logprobs: TokenLogprobs | None = None  # one entry per token of token_ids, when asked for
+    prompt_logprobs: TokenLogprobs | None = None  # per prompt token (the first's is NaN)
 
     def to_dict(self) -> dict[str, Any]:
         out = {"text": self.text, "token_ids": self.token_ids, "method": self.method}
@@ -63,11 +65,12 @@ class GenerationResult:
         out.update(self.diagnostics)
         if self.particle_texts is not None:
             out["particle_texts"] = self.particle_texts
-        if self.logprobs is not None:
-            out["logprobs"] = {
-                "token_logprobs": self.logprobs.chosen,
-                "top_logprobs": [[list(pair) for pair in top] for top in self.logprobs.top],
-            }
+        for key, scores in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
+            if scores is not None:
+                out[key] = {
+                    "token_logprobs": [None if math.isnan(v) else v for v in scores.chosen],
+                    "top_logprobs": [[list(pair) for pair in top] for top in scores.top],
+                }
         return out
 
 
@@ -331,7 +334,11 @@ class LLM:
         rest = text.finish(result.tokens)
         if rest and on_text is not None:
             on_text(rest)
-        return self._package(result, request, text)
+        out = self._package(result, request, text)
+        top = request.sampling.prompt_logprobs
+        if top is not None:
+            out.prompt_logprobs = score_prompt(target, request.prompt_ids, request.sampling, top)
+        return out
 
     def job(
         self,

@@ -48,6 +48,7 @@ from smcspec.server.runtime import (
     ServeDefaults,
     Server,
     logprobs_view,
+    prompt_logprobs_view,
     public_name,
     result_of,
 )
@@ -379,11 +380,14 @@ async def _respond(
         f = server.finish(result, body.return_particles)
         completion_tokens += f["tokens"]
         item: dict[str, Any] = {"index": c.index, "finish_reason": f["reason"]}
-        item["logprobs"] = logprobs_view(server.llm.decode_text, result, chat)
+        item["logprobs"] = logprobs_view(server.llm.decode_text, result, chat, _echoed(body, c))
         if chat:
             item["message"], item["finish_reason"] = _reply(body, result.text, f["reason"])
         else:
-            item["text"] = result.text
+            item["text"] = _echo_text(server, body, c) + result.text
+        if body.prompt_logprobs is not None:
+            ids = c.plan.prompt_ids
+            item["prompt_logprobs"] = prompt_logprobs_view(server.llm.decode_text, ids, result)
         item["smcspec"] = f["smcspec"]
         out.append(item)
     server.metrics.latency.observe(time.perf_counter() - started)
@@ -402,6 +406,24 @@ def _submit_all(server: Server, choices: list[Choice], on_text) -> None:
             if c.job is not None:
                 c.job.cancel()
         raise
+
+
+def _echoed(body: GenerationFields, choice: Choice) -> list[int] | None:
+    """The prompt ids a completion echoes (None: no echo)."""
+    echo = isinstance(body, CompletionRequest) and body.echo
+    return choice.plan.prompt_ids if echo else None
+
+
+def _echo_text(server: Server, body: GenerationFields, choice: Choice) -> str:
+    """The prompt as the client sent it, before an echoing completion's text ("" otherwise)."""
+    if _echoed(body, choice) is None:
+        return ""
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return prompt
+    if all(isinstance(p, str) for p in prompt):
+        return prompt[choice.index // body.n]
+    return server.llm.decode_text(choice.plan.prompt_ids)
 
 
 def _calls_tools(body: GenerationFields) -> bool:
@@ -448,7 +470,7 @@ def _closing(
         delta, reason = _held_delta(body, result.text, reason)
         events.append(chunk(choice.index, None, delta=delta))
     # every token's log-probability comes with the last chunk, which follows the text
-    logprobs = logprobs_view(server.llm.decode_text, result, chat)
+    logprobs = logprobs_view(server.llm.decode_text, result, chat, _echoed(body, choice))
     events.append(chunk(choice.index, None, reason, smcspec=f["smcspec"], logprobs=logprobs))
     return events, f["tokens"]
 
@@ -479,6 +501,9 @@ async def _stream(
             for c in choices:
                 item = {"index": c.index, "delta": {"role": "assistant", "content": ""}}
                 yield _sse({**head, "object": obj, "choices": [{**item, "finish_reason": None}]})
+        for c in choices:  # an echoed prompt comes first
+            if _echoed(body, c) is not None:
+                yield chunk(c.index, _echo_text(server, body, c))
         open_choices = {c.index for c in choices}
         completion_tokens, first = 0, True
         hold = _calls_tools(body)  # calls are parsed from the whole reply, sent at its end

@@ -422,9 +422,14 @@ def _sampling(body: GenerationFields, temperature: float) -> dict[str, Any]:
     """The `SamplingConfig` fields the request gives by name (the dataclass's defaults for the
     rest, but the server's own default temperature), so a new field needs only its schema
     field. max_new_tokens and seed are per choice."""
-    given = {name: getattr(body, name, None) for name in SAMPLING_FIELDS if name != "logprobs"}
+    own = {"logprobs", "prompt_logprobs"}  # each endpoint spells them its way
+    given = {name: getattr(body, name, None) for name in SAMPLING_FIELDS if name not in own}
     given = {name: value for name, value in given.items() if value is not None}
-    spelled = {"stop_at_eos": not body.ignore_eos, "logprobs": body.top_logprobs_asked}
+    spelled = {
+        "stop_at_eos": not body.ignore_eos,
+        "logprobs": body.top_logprobs_asked,
+        "prompt_logprobs": body.prompt_logprobs_asked,
+    }
     return {"temperature": temperature} | given | spelled
 
 
@@ -433,29 +438,58 @@ def _sampling(body: GenerationFields, temperature: float) -> dict[str, Any]:
 NO_LOGPROB = -9999.0
 
 
-def logprobs_view(decode: Callable[[list[int]], str], result: GenerationResult, chat: bool):
+def logprobs_view(
+    decode: Callable[[list[int]], str],
+    result: GenerationResult,
+    chat: bool,
+    echoed: list[int] | None = None,
+) -> dict[str, Any] | None:
     """The result's token log-probabilities in the endpoint's OpenAI shape (None if not asked):
     chat's `{"content": [{token, logprob, bytes, top_logprobs}]}`, or the completions API's
-    `{tokens, token_logprobs, top_logprobs, text_offset}`. A token's text is its own decoding
-    (see `_piece`)."""
-    lp = result.logprobs
-    if lp is None:
+    `{tokens, token_logprobs, top_logprobs, text_offset}`, led by the prompt's tokens when
+    they are `echoed` (the first with null log-probability). A token's text is what it adds
+    to the text before it (see `_piece`)."""
+    if result.logprobs is None:
         return None
-    ids = result.token_ids
-    texts = [_piece(decode, ids[:i], t) for i, t in enumerate(ids)]
-    tops = [
-        [(_piece(decode, ids[:i], alt), max(v, NO_LOGPROB)) for alt, v in top]
-        for i, top in enumerate(lp.top)
-    ]
-    chosen = [max(v, NO_LOGPROB) for v in lp.chosen]
     if chat:
-        return {"content": [_chat_entry(*e) for e in zip(texts, chosen, tops, strict=True)]}
-    offsets = [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+        return {"content": [_chat_entry(*e) for e in _entries(decode, [], result)]}
+    entries = _entries(decode, [], result)
+    if echoed is not None and result.prompt_logprobs is not None:
+        prompt = GenerationResult("", echoed, "", "", logprobs=result.prompt_logprobs)
+        entries = _entries(decode, [], prompt) + _entries(decode, echoed, result)
+    return _completion_view(entries)
+
+
+def prompt_logprobs_view(decode: Callable[[list[int]], str], ids: list[int], result):
+    """The prompt's log-probabilities (vLLM's prompt_logprobs), in the completions shape."""
+    if result.prompt_logprobs is None:
+        return None
+    prompt = GenerationResult("", ids, "", "", logprobs=result.prompt_logprobs)
+    return _completion_view(_entries(decode, [], prompt))
+
+
+def _entries(decode, before: list[int], result: GenerationResult) -> list[tuple]:
+    """(text, log-probability or None, [(text, log-probability)] or None) per token of the
+    result, each token's text taken after `before` and the tokens before it."""
+    ids, lp = result.token_ids, result.logprobs
+    out = []
+    for i, (token, value, top) in enumerate(zip(ids, lp.chosen, lp.top, strict=True)):
+        context = before + ids[:i]
+        alternatives = [(_piece(decode, context, alt), max(v, NO_LOGPROB)) for alt, v in top]
+        if math.isnan(value):  # the prompt's first token: nothing came before it
+            out.append((_piece(decode, context, token), None, None))
+        else:
+            out.append((_piece(decode, context, token), max(value, NO_LOGPROB), alternatives))
+    return out
+
+
+def _completion_view(entries: list[tuple]) -> dict[str, Any]:
+    texts = [text for text, _, _ in entries]
     return {
         "tokens": texts,
-        "token_logprobs": chosen,
-        "top_logprobs": [dict(top) for top in tops],
-        "text_offset": offsets,
+        "token_logprobs": [value for _, value, _ in entries],
+        "top_logprobs": [None if top is None else dict(top) for _, _, top in entries],
+        "text_offset": [sum(len(t) for t in texts[:i]) for i in range(len(texts))],
     }
 
 

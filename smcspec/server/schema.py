@@ -65,6 +65,8 @@ class GenerationFields(BaseModel):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     response_format: ResponseFormat | None = None
+    # vLLM's: the prompt tokens' log-probabilities (in the choice's `prompt_logprobs`)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # smcspec's own settings, named as on the CLI.
     method: Literal["ar", "sd", "smc"] | None = None
     particles: int | None = Field(None, ge=1, le=MAX_PARTICLES)
@@ -96,6 +98,11 @@ class GenerationFields(BaseModel):
         return None
 
     @property
+    def prompt_logprobs_asked(self) -> int | None:
+        """`SamplingConfig.prompt_logprobs`."""
+        return self.prompt_logprobs
+
+    @property
     def stops(self) -> list[str]:
         if self.stop is None:
             return []
@@ -105,19 +112,19 @@ class GenerationFields(BaseModel):
 class CompletionRequest(GenerationFields):
     prompt: str | list[str] | list[int] = Field(..., min_length=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = Field(False, description="not supported: must be false")
+    echo: bool = False  # the prompt before the completion (and its log-probabilities)
     suffix: str | None = Field(None, max_length=0)
     best_of: int | None = Field(None, ge=1, le=1)
-
-    @model_validator(mode="after")
-    def _no_echo(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported")
-        return self
 
     @property
     def top_logprobs_asked(self) -> int | None:
         return self.logprobs
+
+    @property
+    def prompt_logprobs_asked(self) -> int | None:
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs  # echo scores the prompt it echoes
+        return self.prompt_logprobs
 
 
 class TextPart(BaseModel):

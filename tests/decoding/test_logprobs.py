@@ -3,6 +3,7 @@ target's adjusted law at its place in the returned sequence, and the law's likel
 alternatives; asking for them changes nothing that is sampled."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -111,3 +112,31 @@ def test_power_scores_left_in_place_at_resampling_are_caught(pair, monkeypatch):
         for seed in range(5):
             out = decoder.decode(PROMPT, CFG, torch.Generator().manual_seed(seed))
             assert_scores_match(pair[0], out, CFG)
+
+
+def test_prompt_tokens_are_scored_given_the_tokens_before_them(pair):
+    """`generate(..., prompt_logprobs=k)`: log p'(x_t | x_<t) for every prompt token after the
+    first (one target pass over the prompt), under the same adjusted law."""
+    from smcspec import LLM
+
+    target, draft = pair
+    prompt = [1, 2, 2, 4, 5, 2]
+    cfg = dataclasses.replace(CFG, prompt_logprobs=2, logprobs=None)
+    out = LLM.from_models(target, draft).generate(
+        prompt,
+        "sd",
+        seed=0,
+        temperature=1.0,
+        repetition_penalty=cfg.repetition_penalty,
+        frequency_penalty=cfg.frequency_penalty,  # counts generated tokens only: none here
+        prompt_logprobs=2,
+    )
+    scores = out.prompt_logprobs
+    assert len(scores) == len(prompt) and math.isnan(scores.chosen[0]) and scores.top[0] == []
+    for t in range(1, len(prompt)):
+        context = torch.tensor([prompt[:t]])
+        logits = target.logits(tuple(prompt[:t])).double()[None, None]
+        law = sampling.law(logits, cfg, 1.0, [context], len(prompt))[0, 0]
+        assert scores.chosen[t] == pytest.approx(float(law[prompt[t]]), abs=1e-6)
+        assert [i for i, _ in scores.top[t]] == law.topk(2).indices.tolist()
+    assert out.logprobs is None

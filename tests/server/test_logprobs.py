@@ -16,11 +16,17 @@ METHODS = [
 ]
 
 
-def offline(served, prompt, chat: bool, seed: int, top: int, **extra):
-    """`LLM.generate` with the server's defaults filled in."""
+def offline(served, prompt, chat: bool, seed: int, top: int, max_tokens: int = 8, **extra):
+    """`LLM.generate` with the server's defaults filled in (and the prompt scored)."""
     settings = {"particles": 4, "draft_tokens": 3, "temperature": 1.0, **extra}
     return served.llm.generate(
-        prompt, chat=chat, seed=seed, max_new_tokens=8, logprobs=top, **settings
+        prompt,
+        chat=chat,
+        seed=seed,
+        max_new_tokens=max_tokens,
+        logprobs=top,
+        prompt_logprobs=top,
+        **settings,
     )
 
 
@@ -82,3 +88,39 @@ def test_bad_logprobs_settings_get_a_400(served, route, body, param):
     resp = requests.post(served.v1 + route, json={"model": MODEL, **body}, timeout=30)
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == param
+
+
+def test_echo_puts_the_prompt_and_its_logprobs_first(served):
+    client = served.client()
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, seed=2)
+    echoed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, seed=2, echo=True)
+    assert echoed.choices[0].text == PROMPT + plain.choices[0].text
+    assert echoed.choices[0].logprobs is None  # none asked for
+    scored = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, seed=2, echo=True, logprobs=1
+    )
+    lp = scored.choices[0].logprobs
+    want = offline(served, PROMPT, False, 2, 1, max_tokens=6)
+    prompt_ids = served.llm.encode(PROMPT, chat=False)
+    assert scored.choices[0].text == PROMPT + want.text
+    # (each token's text is what it adds after the tokens before it: this word-level test
+    # tokenizer adds the space between words that the completion's own text starts without)
+    n = len(prompt_ids)
+    assert len(lp.tokens) == n + len(want.token_ids)
+    assert "".join(lp.tokens).replace(" ", "") == scored.choices[0].text.replace(" ", "")
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:n] == pytest.approx(want.prompt_logprobs.chosen[1:], abs=1e-6)
+    assert lp.token_logprobs[n:] == pytest.approx(want.logprobs.chosen, abs=1e-6)
+    streamed = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, seed=2, echo=True, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed) == echoed.choices[0].text
+
+
+def test_prompt_logprobs_as_vllm_names_them(served):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "seed": 1, "prompt_logprobs": 0}
+    choice = requests.post(served.v1 + "/completions", json=body, timeout=30).json()["choices"][0]
+    scores = choice["prompt_logprobs"]
+    assert scores["token_logprobs"][0] is None
+    assert len(scores["tokens"]) == len(served.llm.encode(PROMPT, chat=False))
+    assert all(v <= 0 for v in scores["token_logprobs"][1:])

@@ -16,8 +16,6 @@ it has one), are refused before anything reads them.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import json
 import secrets
 import time
@@ -36,19 +34,19 @@ from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from smcspec.engine import LLM, GenerationResult
 from smcspec.engine.scheduler import Cancelled
 from smcspec.server import tools
+from smcspec.server.guard import Guard
+from smcspec.server.logprobs import logprobs_view, prompt_logprobs_view
 from smcspec.server.runtime import (
     ApiError,
     Choice,
     ServeDefaults,
     Server,
-    logprobs_view,
-    prompt_logprobs_view,
+    error_body,
     public_name,
     result_of,
 )
@@ -67,7 +65,6 @@ POLL_S = 0.25  # how often a waiting non-streaming request checks that its clien
 KEEP_ALIVE_S = 5.0  # an idle keep-alive connection is closed after this
 CLOSE_S = 2.0  # after the grace period, how long cancelled requests get to send their errors
 MAX_HEADER_BYTES = 16 * 1024
-OPEN_PATHS = frozenset({"/health"})  # answered without the API key: load balancers probe it
 
 
 async def _gather(
@@ -105,103 +102,12 @@ def _outcome(server: Server, future) -> GenerationResult:
         raise server.failure(err) or err from err
 
 
-def _error_body(message: str, param: str | None = None, code=None, kind="invalid_request_error"):
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
 def _sse(payload: dict | str) -> str:
     data = payload if isinstance(payload, str) else json.dumps(payload)
     return f"data: {data}\n\n"
 
 
 # -- the app ----------------------------------------------------------------------------------
-
-
-class _Guard:
-    """Counts requests by route and status, and refuses before anything reads the body: a
-    request without the API key (when the server has one) with a 401, a declared body over
-    `max_body_bytes` with a 413. Pure ASGI: Starlette's BaseHTTPMiddleware would hide a client's
-    hang-up from the handler, whose jobs would then run to the end."""
-
-    def __init__(self, app: ASGIApp, server: Server) -> None:
-        self.app, self.server = app, server
-        key = server.defaults.api_key
-        self.key_digest = None if key is None else hashlib.sha256(key.encode()).digest()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        status = 500
-
-        async def counted(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            refusal = self._refusal(scope)
-            if refusal is not None:
-                await refusal(scope, receive, counted)
-            else:
-                limit = self.server.defaults.max_body_bytes
-                await self.app(scope, _bounded(receive, limit), counted)
-        finally:
-            route = scope.get("route")
-            self.server.metrics.count_request(getattr(route, "path", "other"), status)
-
-    def _refusal(self, scope: Scope) -> Response | None:
-        problem = _key_problem(scope, self.key_digest)
-        if problem is not None:
-            body = _error_body(problem, code="invalid_api_key")
-            return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
-        limit = self.server.defaults.max_body_bytes
-        length = _header(scope, b"content-length") or b""
-        if length.isdigit() and int(length) > limit:
-            return JSONResponse(_error_body(_too_large(limit)), status_code=413)
-        return None
-
-
-def _key_problem(scope: Scope, key_digest: bytes | None) -> str | None:
-    """Why the request's API key is refused, or None. The tokens are compared as SHA-256
-    digests with `hmac.compare_digest`: constant time, and equal lengths, so that the time
-    taken tells a guesser neither the key's bytes nor its length. Neither key is ever echoed."""
-    if key_digest is None or scope["path"] in OPEN_PATHS:
-        return None
-    given = _header(scope, b"authorization")
-    if given is None:
-        return "no API key given: send the header 'Authorization: Bearer <key>'"
-    scheme, _, token = given.partition(b" ")
-    digest = hashlib.sha256(token.strip()).digest()
-    if not (hmac.compare_digest(digest, key_digest) and scheme.lower() == b"bearer"):
-        return "incorrect API key provided"
-    return None
-
-
-def _header(scope: Scope, name: bytes) -> bytes | None:
-    for key, value in scope["headers"]:
-        if key == name:
-            return value
-    return None
-
-
-def _too_large(limit: int) -> str:
-    return f"the request body is over the server's limit of {limit} bytes"
-
-
-def _bounded(receive: Receive, limit: int) -> Receive:
-    """`receive` that counts the body as it arrives (a chunked body declares no length)."""
-    seen = 0
-
-    async def bounded() -> Message:
-        nonlocal seen
-        message = await receive()
-        seen += len(message.get("body", b""))
-        if seen > limit:
-            raise HTTPException(413, _too_large(limit))
-        return message
-
-    return bounded
 
 
 def _parse(model: type[BaseModel], raw: bytes) -> Any:
@@ -282,7 +188,7 @@ def create_app(llm: LLM, defaults: ServeDefaults) -> FastAPI:
 
     app = FastAPI(title="smcspec", version="0.1.0", lifespan=lifespan)
     app.state.server = server
-    app.add_middleware(_Guard, server=server)
+    app.add_middleware(Guard, server=server)
     _add_error_handlers(app)
     _with_body_schemas(app)
 
@@ -382,7 +288,7 @@ async def _respond(
         item: dict[str, Any] = {"index": c.index, "finish_reason": f["reason"]}
         item["logprobs"] = logprobs_view(server.llm.decode_text, result, chat, _echoed(body, c))
         if chat:
-            item["message"], item["finish_reason"] = _reply(body, result.text, f["reason"])
+            item["message"], item["finish_reason"] = tools.reply(body, result.text, f["reason"])
         else:
             item["text"] = _echo_text(server, body, c) + result.text
         if body.prompt_logprobs is not None:
@@ -426,33 +332,6 @@ def _echo_text(server: Server, body: GenerationFields, choice: Choice) -> str:
     return server.llm.decode_text(choice.plan.prompt_ids)
 
 
-def _calls_tools(body: GenerationFields) -> bool:
-    if not isinstance(body, ChatRequest):
-        return False
-    return tools.grammar_applies(body.tools, body.tool_choice_value)
-
-
-def _reply(body: GenerationFields, text: str, reason: str) -> tuple[dict[str, Any], str]:
-    """The assistant's message and the finish reason: with tools, the calls the text makes
-    become `tool_calls` (finish reason "tool_calls") and the text before them the content."""
-    if not _calls_tools(body):
-        return {"role": "assistant", "content": text}, reason
-    content, calls = tools.parse(text)
-    if not calls:
-        return {"role": "assistant", "content": text}, reason
-    return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
-
-
-def _held_delta(body: GenerationFields, text: str, reason: str) -> tuple[dict[str, Any], str]:
-    """A tool-calling reply streamed at its end: one delta with its content and its calls
-    (each with its index, as OpenAI streams them)."""
-    message, reason = _reply(body, text, reason)
-    delta: dict[str, Any] = {"content": message["content"]}
-    if "tool_calls" in message:
-        delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
-    return delta, reason
-
-
 def _closing(
     server: Server, body: GenerationFields, choice: Choice, chat: bool, chunk
 ) -> tuple[list[str], int]:
@@ -461,13 +340,13 @@ def _closing(
     try:
         result = _outcome(server, choice.job.future)
     except ApiError as err:
-        return [_sse(_error_body(err.message, err.param, err.code, err.kind))], 0
+        return [_sse(error_body(err.message, err.param, err.code, err.kind))], 0
     except Exception as err:
-        return [_sse(_error_body(f"generation failed: {err}", kind="server_error"))], 0
+        return [_sse(error_body(f"generation failed: {err}", kind="server_error"))], 0
     f = server.finish(result, body.return_particles)
     events, reason = [], f["reason"]
-    if _calls_tools(body):
-        delta, reason = _held_delta(body, result.text, reason)
+    if tools.replies_with_calls(body):
+        delta, reason = tools.streamed_reply(body, result.text, reason)
         events.append(chunk(choice.index, None, delta=delta))
     # every token's log-probability comes with the last chunk, which follows the text
     logprobs = logprobs_view(server.llm.decode_text, result, chat, _echoed(body, choice))
@@ -506,7 +385,9 @@ async def _stream(
                 yield chunk(c.index, _echo_text(server, body, c))
         open_choices = {c.index for c in choices}
         completion_tokens, first = 0, True
-        hold = _calls_tools(body)  # calls are parsed from the whole reply, sent at its end
+        hold = tools.replies_with_calls(
+            body
+        )  # calls are parsed from the whole reply, sent at its end
         while open_choices:
             index, delta = await queue.get()
             if delta is not None:
@@ -542,7 +423,7 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: HTTPRequest, err: ApiError) -> JSONResponse:
-        body = _error_body(err.message, err.param, err.code, err.kind)
+        body = error_body(err.message, err.param, err.code, err.kind)
         return JSONResponse(body, status_code=err.status)
 
     @app.exception_handler(RequestValidationError)
@@ -559,20 +440,20 @@ def _add_error_handlers(app: FastAPI) -> None:
             # pydantic prefixes the message a validator raises with its exception's name
             text = first.get("msg", "invalid value").removeprefix("Value error, ")
             message = f"{param or 'body'}: {text}"
-        return JSONResponse(_error_body(message, param), status_code=400)
+        return JSONResponse(error_body(message, param), status_code=400)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: HTTPRequest, err: HTTPException) -> JSONResponse:
-        return JSONResponse(_error_body(str(err.detail)), status_code=err.status_code)
+        return JSONResponse(error_body(str(err.detail)), status_code=err.status_code)
 
     @app.exception_handler(Cancelled)
     async def cancelled(request: HTTPRequest, err: Cancelled) -> JSONResponse:
-        return JSONResponse(_error_body(str(err), kind="cancelled"), status_code=499)
+        return JSONResponse(error_body(str(err), kind="cancelled"), status_code=499)
 
     @app.exception_handler(Exception)
     async def crashed(request: HTTPRequest, err: Exception) -> JSONResponse:
         message = f"internal error: {type(err).__name__}: {err}"
-        return JSONResponse(_error_body(message, kind="server_error"), status_code=500)
+        return JSONResponse(error_body(message, kind="server_error"), status_code=500)
 
 
 # -- the HTTP server --------------------------------------------------------------------------

@@ -22,6 +22,8 @@ import json
 import secrets
 from typing import Any
 
+from smcspec.server.schema import ChatRequest, GenerationFields
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
@@ -110,3 +112,31 @@ def _template_call(call: dict[str, Any]) -> dict[str, Any]:
     with contextlib.suppress(ValueError):  # not JSON: the template shows the text as it came
         function["arguments"] = json.loads(function["arguments"])
     return {**call, "function": function}
+
+
+def replies_with_calls(body: GenerationFields) -> bool:
+    """Whether a request's reply is constrained to, and parsed for, tool calls."""
+    if not isinstance(body, ChatRequest):
+        return False
+    return grammar_applies(body.tools, body.tool_choice_value)
+
+
+def reply(body: GenerationFields, text: str, reason: str) -> tuple[dict[str, Any], str]:
+    """The assistant's message and the finish reason: with tools, the calls the text makes
+    become `tool_calls` (finish reason "tool_calls") and the text before them the content."""
+    if not replies_with_calls(body):
+        return {"role": "assistant", "content": text}, reason
+    content, calls = parse(text)
+    if not calls:
+        return {"role": "assistant", "content": text}, reason
+    return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+
+
+def streamed_reply(body: GenerationFields, text: str, reason: str) -> tuple[dict[str, Any], str]:
+    """A tool-calling reply streamed at its end: one delta with its content and its calls
+    (each with its index, as OpenAI streams them)."""
+    message, reason = reply(body, text, reason)
+    delta: dict[str, Any] = {"content": message["content"]}
+    if "tool_calls" in message:
+        delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
+    return delta, reason

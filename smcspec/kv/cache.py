@@ -13,7 +13,9 @@ Page tables and lengths live on the host; the tensors live on `device`.
 from __future__ import annotations
 
 import itertools
+import math
 
+import numpy as np
 import torch
 
 from smcspec.kv.pages import PageAllocator
@@ -37,8 +39,8 @@ class PagedKVCache:
         self.scratch_page = num_pages
         self.device = torch.device(device)
         shape = (layers, num_pages + 1, page_size, kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = _zeros(shape, dtype, self.device)
+        self.v = _zeros(shape, dtype, self.device)
         self.tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
         # Sequence ids from a C-level counter: taking one is atomic, so threads that open
@@ -156,3 +158,13 @@ class PagedKVCache:
 
     def kv_bytes_peak(self) -> int:
         return self.allocator.peak_used * self.page_size * self.bytes_per_token
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros that take memory only where they are written. On the CPU a large fresh anonymous
+    mapping (numpy's calloc) is zero without being touched, and a pool of thousands of pages is
+    mostly never written (torch.zeros would write, so hold, all of it)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)

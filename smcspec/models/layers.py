@@ -37,17 +37,33 @@ class Int8Linear:
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None = None, reduce_range: bool = False
     ) -> None:
-        w = weight.float()
-        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)  # [out]
-        q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        self._pack(*quantize(weight), bias, reduce_range)
+
+    @classmethod
+    def from_quantized(
+        cls, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> Int8Linear:
+        """From an int8 matrix q [out, in] and its scales [out] (see `quantize`)."""
+        linear = cls.__new__(cls)
+        linear._pack(q, scale, bias, False)
+        return linear
+
+    def _pack(
+        self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, reduce_range: bool
+    ) -> None:
         zeros = torch.zeros(q.shape[0], dtype=torch.long)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # quantized tensors are "deprecated"
             qweight = torch._make_per_channel_quantized_tensor(q, scale.double(), zeros, 0)
         self.bias = None if bias is None else bias.float()
-        self.out_features = int(q.shape[0])
+        self.out_features, self.in_features = int(q.shape[0]), int(q.shape[1])
         self.packed = torch.ops.quantized.linear_prepack(qweight, None)
         self.reduce_range = reduce_range
+
+    def quantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q int8 [out, in], scale float32 [out]): what `from_quantized` takes back."""
+        qweight, _ = torch.ops.quantized.linear_unpack(self.packed)
+        return qweight.int_repr(), qweight.q_per_channel_scales().float()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # fbgemm picks one activation scale per call; rescaling every row to the same peak
@@ -83,6 +99,14 @@ class Int8Linear:
         """The same int8 weights in float, activations unquantized."""
         qweight, _ = torch.ops.quantized.linear_unpack(self.packed)
         return F.linear(x.float(), qweight.dequantize(), self.bias)
+
+
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 with one scale per output channel: (q [out, in], scale [out])."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)  # [out]
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
 
 
 def make_linear(

@@ -13,6 +13,8 @@ Reference: this module is tested against `transformers` on the same weights.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from smcspec.kv.cache import PagedKVCache
-from smcspec.models import rope
+from smcspec.models import int8_cache, rope
 from smcspec.models.attention import (
     PAGED_MAX_TOKENS,
     ForwardBatch,
@@ -114,8 +116,10 @@ class LlamaModel:
         dtype: str = "float32",
         device: str | torch.device = "cpu",
         attention: str = "auto",
+        quantized: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         self.config = config
+        self._quantized = quantized  # cached int8 linears (`int8_cache`), taken as they are used
         self.dtype = dtype
         self.device = torch.device(device)
         if dtype == "int8" and self.device.type != "cpu":
@@ -126,39 +130,77 @@ class LlamaModel:
         self.act_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
         self.embed = self._tensor(w["model.embed_tokens.weight"])
         self.norm = self._tensor(w["model.norm.weight"])
-        head = w["model.embed_tokens.weight"] if config.tie_embeddings else w.pop("lm_head.weight")
-        self.lm_head = make_linear(head, None, dtype, self.device)
-        self.layers = []
-        for i in range(config.num_layers):
-            self.layers.append(self._layer(w, f"model.layers.{i}."))
+        head = "model.embed_tokens.weight" if config.tie_embeddings else "lm_head.weight"
+        # Packing int8 weights (fbgemm) and quantizing them take most of a load: the head and
+        # the layers are built on as many threads as torch computes on (the ops release the
+        # GIL), the head first (the vocabulary's matrix packs slowest: 2 s of 10 s for 1.5B).
+        with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
+            lm_head = pool.submit(self._linear, w, "lm_head", [head], keep=config.tie_embeddings)
+            names = [f"model.layers.{i}." for i in range(config.num_layers)]
+            self.layers = list(pool.map(lambda p: self._layer(w, p), names))
+            self.lm_head = lm_head.result()
+        self._quantized = None
         self.rope = RopeTable(config.rope, self.act_dtype, self.device)
         self._sinks: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def _tensor(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device, self.act_dtype)
 
-    def _layer(self, w: dict[str, torch.Tensor], p: str) -> Layer:
+    def _layer(self, w: Mapping[str, torch.Tensor], p: str) -> Layer:
         """Build layer `p`, taking its weights out of `w` so that float copies are freed as the
         quantized ones are made."""
         a = p + "self_attn."
-        bias = None
-        if self.config.qkv_bias:
-            bias = torch.cat(
-                [w.pop(a + "q_proj.bias"), w.pop(a + "k_proj.bias"), w.pop(a + "v_proj.bias")]
-            )
-        qkv = torch.cat(
-            [w.pop(a + "q_proj.weight"), w.pop(a + "k_proj.weight"), w.pop(a + "v_proj.weight")]
-        )
-        gate_up = torch.cat([w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")])
-        dt, dev = self.dtype, self.device
+        qkv = [a + f"{x}_proj.weight" for x in "qkv"]
+        qkv_bias = [a + f"{x}_proj.bias" for x in "qkv"] if self.config.qkv_bias else []
+        gate_up = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
         return Layer(
             input_norm=self._tensor(w.pop(p + "input_layernorm.weight")),
-            qkv=make_linear(qkv, bias, dt, dev),
-            o=make_linear(w.pop(a + "o_proj.weight"), None, dt, dev),
+            qkv=self._linear(w, a + "qkv", qkv, qkv_bias),
+            o=self._linear(w, a + "o", [a + "o_proj.weight"]),
             post_norm=self._tensor(w.pop(p + "post_attention_layernorm.weight")),
-            gate_up=make_linear(gate_up, None, dt, dev),
-            down=make_linear(w.pop(p + "mlp.down_proj.weight"), None, dt, dev),
+            gate_up=self._linear(w, p + "mlp.gate_up", gate_up),
+            down=self._linear(w, p + "mlp.down", [p + "mlp.down_proj.weight"]),
         )
+
+    def _linear(
+        self,
+        w: Mapping[str, torch.Tensor],
+        key: str,
+        weights: list[str],
+        biases: list[str] | None = None,
+        keep: bool = False,
+    ) -> Linear:
+        """The linear layer `key` over the concatenated `weights` (and `biases`): from the int8
+        cache when it holds it, else made from the float weights (taken out of `w` unless
+        `keep`)."""
+        cached = self._quantized
+        if cached is not None and f"{key}.q" in cached:
+            bias = cached.pop(f"{key}.bias") if f"{key}.bias" in cached else None
+            q, scale = cached.pop(f"{key}.q"), cached.pop(f"{key}.scale")
+            return Int8Linear.from_quantized(q, scale, bias)
+        take = w.__getitem__ if keep else w.pop
+        parts = [take(n) for n in weights]
+        weight = parts[0] if len(parts) == 1 else torch.cat(parts)
+        bias = torch.cat([w.pop(n) for n in biases]) if biases else None
+        return make_linear(weight, bias, self.dtype, self.device)
+
+    def int8_entries(self) -> list[int8_cache.Entry]:
+        """Every linear as the int8 cache stores it (q, scale, bias), made when written."""
+        named = [("lm_head", self.lm_head)]
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            named += [(p + "self_attn.qkv", layer.qkv), (p + "self_attn.o", layer.o)]
+            named += [(p + "mlp.gate_up", layer.gate_up), (p + "mlp.down", layer.down)]
+        entries: list[int8_cache.Entry] = []
+        for key, linear in named:
+            out, inp = linear.out_features, linear.in_features
+            entries.append((f"{key}.q", torch.int8, (out, inp), lambda x=linear: x.quantized()[0]))
+            entries.append(
+                (f"{key}.scale", torch.float32, (out,), lambda x=linear: x.quantized()[1])
+            )
+            if linear.bias is not None:
+                entries.append((f"{key}.bias", torch.float32, (out,), lambda x=linear: x.bias))
+        return entries
 
     @classmethod
     def from_folder(
@@ -169,6 +211,13 @@ class LlamaModel:
 
         folder = Path(folder)
         config = LlamaConfig.read(folder)
+        if dtype == "int8":  # quantized once, then read from the int8 cache
+            cached = int8_cache.load(folder)
+            lazy = int8_cache.LazyWeights(int8_cache.source_files(folder))
+            model = cls(config, lazy, dtype, device, quantized=cached, **kw)
+            if cached is None:
+                int8_cache.save(folder, model.int8_entries())
+            return model
         weights: dict[str, torch.Tensor] = {}
         for f in sorted(folder.glob("*.safetensors")):
             weights.update(load_file(str(f)))

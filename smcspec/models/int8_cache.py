@@ -19,6 +19,7 @@ import hashlib
 import json
 import math
 import os
+import secrets
 import struct
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -128,9 +129,14 @@ def save(spec: Path, tensors: list[Entry], cache_root: Path | None = None) -> Pa
     try:
         where.parent.mkdir(parents=True, exist_ok=True)
         target = where.with_suffix(".safetensors")
-        partial = target.with_suffix(".partial")
-        _write(partial, tensors)
-        os.replace(partial, target)
+        # its own name per writer: two processes building the same cache at once each write a
+        # whole file and replace the target with it, never one file between them
+        partial = target.with_suffix(f".partial-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            _write(partial, tensors)
+            os.replace(partial, target)
+        finally:
+            partial.unlink(missing_ok=True)
         now = stamp(source_files(spec), with_digest=True)
         where.with_suffix(".json").write_text(json.dumps(now, indent=1))
     except OSError:

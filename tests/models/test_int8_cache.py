@@ -96,3 +96,17 @@ def test_a_read_only_model_folder_caches_under_the_cache_root(folder, tmp_path, 
 def test_float_models_neither_read_nor_write_it(folder):
     LlamaModel.from_folder(folder, "float32")
     assert cache_files(folder) == []
+
+
+def test_two_writers_at_once_leave_one_whole_cache(folder):
+    """Two processes loading the same model for the first time both build the cache: each
+    writes its own file and replaces the target with it, so the result is whole."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    int8 = LlamaModel.from_folder(folder, "int8")
+    (folder / "smcspec-int8.json").unlink()
+    with ThreadPoolExecutor(2) as pool:
+        done = list(pool.map(lambda _: int8_cache.save(folder, int8.int8_entries()), range(2)))
+    assert all(path is not None for path in done)
+    assert cache_files(folder) == ["smcspec-int8.json", "smcspec-int8.safetensors"]
+    assert torch.equal(logits(LlamaModel.from_folder(folder, "int8")), logits(int8))

@@ -150,7 +150,7 @@ def _write(path: Path, entries: list[Entry]) -> None:
     header: dict[str, dict] = {}
     offset = 0
     for name, dtype, shape, _ in entries:
-        size = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+        size = math.prod(shape) * dtype.itemsize
         header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape)}
         header[name]["data_offsets"] = [offset, offset + size]
         offset += size

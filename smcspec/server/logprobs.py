@@ -4,6 +4,7 @@ and vLLM's `prompt_logprobs`."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -25,7 +26,7 @@ def logprobs_view(
     chat's `{"content": [{token, logprob, bytes, top_logprobs}]}`, or the completions API's
     `{tokens, token_logprobs, top_logprobs, text_offset}`, led by the prompt's tokens when
     they are `echoed` (the first with null log-probability). A token's text is what it adds
-    to the text before it (see `_piece`)."""
+    to the text before it (see `_pieces`)."""
     if result.logprobs is None:
         return None
     if chat:
@@ -49,14 +50,15 @@ def _entries(decode, before: list[int], result: GenerationResult) -> list[tuple]
     """(text, log-probability or None, [(text, log-probability)] or None) per token of the
     result, each token's text taken after `before` and the tokens before it."""
     ids, lp = result.token_ids, result.logprobs
+    full = before + ids
     out = []
     for i, (token, value, top) in enumerate(zip(ids, lp.chosen, lp.top, strict=True)):
-        context = before + ids[:i]
-        alternatives = [(_piece(decode, context, alt), max(v, NO_LOGPROB)) for alt, v in top]
         if math.isnan(value):  # the prompt's first token: nothing came before it
-            out.append((_piece(decode, context, token), None, None))
-        else:
-            out.append((_piece(decode, context, token), max(value, NO_LOGPROB), alternatives))
+            out.append((_pieces(decode, full[: len(before) + i], [token])[0], None, None))
+            continue
+        texts = _pieces(decode, full[: len(before) + i], [token] + [alt for alt, _ in top])
+        alternatives = [(t, max(v, NO_LOGPROB)) for t, (_, v) in zip(texts[1:], top, strict=True)]
+        out.append((texts[0], max(value, NO_LOGPROB), alternatives))
     return out
 
 
@@ -66,17 +68,26 @@ def _completion_view(entries: list[tuple]) -> dict[str, Any]:
         "tokens": texts,
         "token_logprobs": [value for _, value, _ in entries],
         "top_logprobs": [None if top is None else dict(top) for _, _, top in entries],
-        "text_offset": [sum(len(t) for t in texts[:i]) for i in range(len(texts))],
+        # each token starts where the text before it ends
+        "text_offset": [
+            end - len(t)
+            for t, end in zip(texts, itertools.accumulate(map(len, texts)), strict=True)
+        ],
     }
 
 
-def _piece(decode: Callable[[list[int]], str], before: list[int], token: int) -> str:
-    """The text `token` adds after `before` (decoded with a few tokens of context, so that a
-    tokenizer's spaces and merges come out as in the whole text; a token that ends inside a
-    multi-byte character adds nothing until the one that completes it)."""
+def _pieces(decode: Callable[[list[int]], str], before: list[int], tokens: list[int]) -> list[str]:
+    """The text each of `tokens` would add after `before` (decoded with a few tokens of
+    context, decoded once, so that a tokenizer's spaces and merges come out as in the whole
+    text; a token that ends inside a multi-byte character adds nothing until the one that
+    completes it)."""
     context = before[-6:]
-    head, text = decode(context), decode([*context, token])
-    return text[len(head) :] if text.startswith(head) else decode([token])
+    head = decode(context)
+    out = []
+    for token in tokens:
+        text = decode([*context, token])
+        out.append(text[len(head) :] if text.startswith(head) else decode([token]))
+    return out
 
 
 def _chat_entry(text: str, logprob: float, top: list[tuple[str, float]]) -> dict:

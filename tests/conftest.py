@@ -12,13 +12,7 @@ def save_tiny_model(folder, seed: int = 0, words=WORDS, arch: str = "qwen2") -> 
     """arch "qwen2" or "llama". Text prompts need "llama": transformers 5 loads a qwen2 folder's
     tokenizer as its own byte-level BPE class, which this word-level vocabulary does not fit."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        PreTrainedTokenizerFast,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-    )
+    from transformers import PreTrainedTokenizerFast
 
     vocab = {w: i for i, w in enumerate(words)}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -27,24 +21,34 @@ def save_tiny_model(folder, seed: int = 0, words=WORDS, arch: str = "qwen2") -> 
         tokenizer_object=core, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
     )
     tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    save_random_model(folder, tok, seed, arch)
+
+
+def save_random_model(
+    folder, tokenizer, seed: int, arch: str = "llama", max_positions: int = 128
+) -> None:
+    """A tiny random model (2 layers, hidden 32, EOS id 1) over `tokenizer`'s vocabulary,
+    saved with the tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
     config_class, model_class = {
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "llama": (LlamaConfig, LlamaForCausalLM),
     }[arch]
     config = config_class(
-        vocab_size=len(words),
+        vocab_size=len(tokenizer),
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=128,
+        max_position_embeddings=max_positions,
         eos_token_id=1,
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
     model_class(config).save_pretrained(folder)
-    tok.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
 
 
 @pytest.fixture

@@ -7,10 +7,10 @@ import json
 
 import pytest
 import requests
-import torch
 
 from smcspec import LLM
 from smcspec.server.app import ServeDefaults
+from tests.conftest import save_random_model
 from tests.server.conftest import serve
 
 MODEL = "tiny-tools"
@@ -43,7 +43,7 @@ MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
 
 def save_byte_model(folder, seed: int) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())  # one token per byte
     vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2} | {c: i + 3 for i, c in enumerate(alphabet)}
@@ -55,20 +55,7 @@ def save_byte_model(folder, seed: int) -> None:
     )
     tok.add_tokens(["<tool_call>", "</tool_call>"])
     tok.chat_template = TEMPLATE
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        eos_token_id=1,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tok.save_pretrained(folder)
+    save_random_model(folder, tok, seed, max_positions=512)
 
 
 @pytest.fixture(scope="module")

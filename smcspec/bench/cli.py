@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from smcspec.bench.contenders import build_grid, parse_ints
+from smcspec.bench.contenders import LLAMA_CPP, build_grid, parse_ints
 from smcspec.cli_common import (
     add_model_options,
     add_resample_threshold,
@@ -23,7 +23,8 @@ def _add_grid_options(p: argparse.ArgumentParser, methods: list[str], smc_n: str
         "--methods",
         nargs="+",
         default=methods,
-        help="of ar sd smc hf hf-assisted (hf peers need --backend hf)",
+        help="of ar sd smc hf hf-assisted (hf peers need --backend hf); bench speed also "
+        "takes llama-cpp llama-cpp-spec (./scripts/build_llama_cpp builds llama.cpp)",
     )
     p.add_argument("--sd-k", default="2,4", help="K grid for sd")
     p.add_argument("--smc-n", default=smc_n, help="N grid for smc")
@@ -65,11 +66,23 @@ def _add_speed(bsub) -> None:
     speed.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per run")
     speed.add_argument("--natural-stop", action="store_true", help="stop at EOS (default: ignore)")
     speed.add_argument("--reps", type=int, default=1, help="repetitions of every run")
+    speed.add_argument(
+        "--quants",
+        default="Q4_K_M,Q8_0",
+        help="llama.cpp GGUF types: the target file's own type runs both files as given, "
+        "others are made with llama-quantize (default Q4_K_M,Q8_0)",
+    )
+    speed.add_argument(
+        "--draft-temperatures",
+        default="",
+        help="also run sd and smc with the draft sampled at these temperatures, e.g. 0.5,2 "
+        "(a less matched draft; default: the target's temperature)",
+    )
 
 
 def _add_roofline(bsub) -> None:
-    roof = command(bsub, "roofline", "predicted vs measured SMC speed-up per (N, K)")
-    _add_grid_options(roof, ["smc"], "1,2,4,8")
+    roof = command(bsub, "roofline", "predicted vs measured sd and smc speed-ups per (N, K)")
+    _add_grid_options(roof, ["sd", "smc"], "1,2,4,8")
     roof.add_argument(
         "--speed-results",
         default=None,
@@ -172,6 +185,10 @@ def _floats(text: str, name: str) -> list[float]:
 def _grid(args: argparse.Namespace):
     if args.backend != "hf" and {"hf", "hf-assisted"} & set(args.methods):
         raise ValueError("hf and hf-assisted need --backend hf (they run transformers' generate)")
+    speed = args.bench_command == "speed"
+    if not speed and set(LLAMA_CPP) & set(args.methods):
+        raise ValueError("llama-cpp and llama-cpp-spec run in bench speed only")
+    draft_temps = getattr(args, "draft_temperatures", "")
     return build_grid(
         args.methods,
         parse_ints(args.sd_k, "--sd-k"),
@@ -179,6 +196,8 @@ def _grid(args: argparse.Namespace):
         parse_ints(args.smc_k, "--smc-k"),
         args.resample_threshold,
         _floats(args.smc_power, "--smc-power") if args.smc_power else None,
+        [q.strip() for q in args.quants.split(",") if q.strip()] if speed else None,
+        [None, *_floats(draft_temps, "--draft-temperatures")] if draft_temps else None,
     )
 
 
@@ -231,10 +250,31 @@ def _speed(args: argparse.Namespace) -> int:
         args.reps,
         args.seed,
     )
-    llm = _llm(args)
-    run_speed(llm, plan, args.out, precision(llm))
+    with _llama_cpp(args, plan) as peer:  # built, files made, before our models load
+        llm = _llm(args)
+        run_speed(llm, plan, args.out, precision(llm), peer)
     print((Path(args.out) / "speed.md").read_text())
     return 0
+
+
+def _llama_cpp(args: argparse.Namespace, plan):
+    """The llama.cpp side of `bench speed`, or a null context when no contender needs it."""
+    import contextlib
+
+    quants = {c.settings["quant"] for c in plan.contenders if c.method in LLAMA_CPP}
+    if not quants:
+        return contextlib.nullcontext()
+    import torch
+
+    from smcspec.bench import llamacpp
+    from smcspec.engine import gguf_files
+
+    if plan.natural_stop:
+        raise ValueError("llama-cpp contenders run at a fixed length: drop --natural-stop")
+    bin_dir = llamacpp.binaries(args.cache_dir)
+    target, draft = gguf_files(args.target, args.draft, args.cache_dir)
+    pairs = {q: llamacpp.pair_for(q, target, draft, bin_dir) for q in sorted(quants)}
+    return llamacpp.LlamaCpp(pairs, bin_dir, torch.get_num_threads())
 
 
 def _accuracy(args: argparse.Namespace) -> int:
@@ -358,13 +398,13 @@ def _roofline(args: argparse.Namespace) -> int:
     from smcspec.bench.roofline import run_roofline
     from smcspec.bench.speed import SpeedPlan, prompt_ids, run_speed
 
-    grid = [
-        (c.settings["particles"], c.settings["draft_tokens"])
+    rows = [
+        (c.method, c.settings.get("particles", 1), c.settings["draft_tokens"])
         for c in contenders
-        if c.method == "smc"
+        if c.method in ("sd", "smc") and "power_alpha" not in c.settings
     ]
-    if not grid:
-        raise ValueError("roofline needs smc in --methods")
+    if not rows:
+        raise ValueError("roofline needs sd or smc in --methods")
     if args.context < 2:
         raise ValueError(f"--context must be >= 2, got {args.context}")
     if args.speed_results and not Path(args.speed_results).exists():
@@ -382,7 +422,7 @@ def _roofline(args: argparse.Namespace) -> int:
     print(
         run_roofline(
             llm,
-            grid,
+            rows,
             context,
             args.out,
             args.timing_reps,

@@ -1,5 +1,6 @@
 """Everything a benchmark can run, behind one call: our three methods over their grids and the
-Hugging Face peers a user would pick instead (`generate`, and `generate` with `assistant_model`).
+peers a user would pick instead: Hugging Face's `generate` (with and without `assistant_model`)
+and llama.cpp (autoregressive, and speculative with the draft; `bench/llamacpp.py`).
 
 Grids are validated before any model is loaded.
 """
@@ -12,10 +13,11 @@ from typing import Any
 
 import torch
 
-from smcspec.config import SDConfig, SMCConfig, method_configs
+from smcspec.config import SamplingConfig, SDConfig, SMCConfig, method_configs
 from smcspec.potentials import Power
 
-METHOD_NAMES = ("ar", "sd", "smc", "hf", "hf-assisted")
+METHOD_NAMES = ("ar", "sd", "smc", "hf", "hf-assisted", "llama-cpp", "llama-cpp-spec")
+LLAMA_CPP = ("llama-cpp", "llama-cpp-spec")
 
 
 @dataclass(frozen=True)
@@ -27,14 +29,22 @@ class Contender:
 
     @property
     def label(self) -> str:
+        s = self.settings
         if self.method == "sd":
-            return f"sd K={self.settings['draft_tokens']}"
-        if self.method == "smc":
-            label = f"smc N={self.settings['particles']} K={self.settings['draft_tokens']}"
-            if "power_alpha" in self.settings:
-                label += f" power={self.settings['power_alpha']:g}"
-            return label
-        return self.method
+            label = f"sd K={s['draft_tokens']}"
+        elif self.method == "smc":
+            label = f"smc N={s['particles']} K={s['draft_tokens']}"
+            if "power_alpha" in s:
+                label += f" power={s['power_alpha']:g}"
+        elif self.method == "llama-cpp":
+            label = f"llama-cpp {s['quant']}"
+        elif self.method == "llama-cpp-spec":
+            label = f"llama-cpp-spec {s['quant']} K={s['draft_tokens']}"
+        else:
+            label = self.method
+        if s.get("draft_temperature") is not None:
+            label += f" draft T={s['draft_temperature']:g}"
+        return label
 
 
 def parse_ints(text: str, name: str) -> list[int]:
@@ -56,9 +66,13 @@ def build_grid(
     smc_k: list[int],
     resample_threshold: float = SMCConfig.resample_threshold,
     smc_power: list[float] | None = None,
+    quants: list[str] | None = None,
+    draft_temperatures: list[float | None] | None = None,
 ) -> list[Contender]:
     """Expand method names over the grids; raise ValueError on an unknown name or bad setting.
-    Each smc (N, K) also runs with Power(alpha) for every alpha in `smc_power`."""
+    Each smc (N, K) also runs with Power(alpha) for every alpha in `smc_power`; llama.cpp runs
+    at every quant in `quants`, its speculative decoding at every sd K; sd and smc run with the
+    draft at every temperature in `draft_temperatures` (None: the target's)."""
     if not methods:
         raise ValueError("no methods given")
     unknown = [m for m in methods if m not in METHOD_NAMES]
@@ -73,20 +87,53 @@ def build_grid(
                 SDConfig(k)
                 out.append(Contender("sd", {"draft_tokens": k}))
         elif method == "smc":
-            for n in smc_n:
-                for k in smc_k:
-                    method_configs(n, k, resample_threshold)  # bounds N as generate does
-                    base = {
-                        "particles": n,
-                        "draft_tokens": k,
-                        "resample_threshold": resample_threshold,
-                    }
-                    out.append(Contender("smc", base))
-                    for alpha in smc_power or []:
-                        Power(alpha)
-                        out.append(Contender("smc", {**base, "power_alpha": alpha}))
+            out += _smc_grid(smc_n, smc_k, resample_threshold, smc_power or [])
+        elif method == "llama-cpp":
+            out += [Contender(method, {"quant": q}) for q in _quants(quants)]
+        elif method == "llama-cpp-spec":
+            for q in _quants(quants):
+                for k in sd_k:
+                    SDConfig(k)
+                    out.append(Contender(method, {"quant": q, "draft_tokens": k}))
         else:
             out.append(Contender(method))
+    return _with_draft_temperatures(out, draft_temperatures or [None])
+
+
+def _smc_grid(smc_n, smc_k, resample_threshold, smc_power) -> list[Contender]:
+    out = []
+    for n in smc_n:
+        for k in smc_k:
+            method_configs(n, k, resample_threshold)  # bounds N as generate does
+            base = {"particles": n, "draft_tokens": k, "resample_threshold": resample_threshold}
+            out.append(Contender("smc", base))
+            for alpha in smc_power:
+                Power(alpha)
+                out.append(Contender("smc", {**base, "power_alpha": alpha}))
+    return out
+
+
+def _quants(quants: list[str] | None) -> list[str]:
+    if not quants:
+        raise ValueError("llama.cpp contenders need at least one quant, e.g. Q4_K_M,Q8_0")
+    bad = [q for q in quants if not q.replace("_", "").isalnum()]
+    if bad:
+        raise ValueError(f"not a llama.cpp quant name: {', '.join(bad)} (e.g. Q4_K_M, Q8_0)")
+    return quants
+
+
+def _with_draft_temperatures(grid, temps: list[float | None]) -> list[Contender]:
+    for t in temps:
+        if t is not None:
+            SamplingConfig(draft_temperature=t)  # the same check as generate's
+    out = []
+    for c in grid:
+        if c.method in ("sd", "smc"):
+            for t in temps:
+                extra = {} if t is None else {"draft_temperature": t}
+                out.append(Contender(c.method, {**c.settings, **extra}))
+        else:
+            out.append(c)
     return out
 
 
@@ -98,8 +145,16 @@ def run(
     max_new: int,
     stop_at_eos: bool,
     seed: int,
+    llama_cpp=None,
 ) -> dict[str, Any]:
-    """Generate once; return new token ids, seconds, tokens/s and the method's diagnostics."""
+    """Generate once; return new token ids, seconds, tokens/s and the method's diagnostics.
+    llama.cpp contenders run on `llama_cpp` (a `bench.llamacpp.LlamaCpp`)."""
+    if contender.method in LLAMA_CPP:
+        if llama_cpp is None or stop_at_eos:
+            raise ValueError(f"{contender.method} runs in bench speed, at a fixed length")
+        return llama_cpp.run(
+            contender.method, contender.settings, prompt_ids, temperature, max_new, seed
+        )
     if contender.method in ("ar", "sd", "smc"):
         out = llm.generate(
             prompt_ids,

@@ -6,6 +6,10 @@ rho times a target step, so SMC-SD commits K+1 tokens for K draft steps and one 
 Measured-cost model: the same round with the costs this machine actually has, including the
 compute-bound penalty of wide batches:
     S_meas = (K + 1) t_target(1) / (K t_draft(N) + t_target(N x (K+1))).
+sd rows use the same round at N = 1 with the tokens it actually committed per round (1 +
+accepted drafts, from the speed runs) in place of K + 1. "measured / predicted" is how close
+the implementation comes to its own round's forward passes: the rest is everything else
+(sampling, weights, resampling, Python).
 Both are set beside the end-to-end speed-up, measured or read from a `bench speed` result file.
 """
 
@@ -43,66 +47,109 @@ def time_forward(model, context: list[int], batch: int, new_tokens: int, reps: i
     return statistics.median(times[1:])  # the first is a warm-up
 
 
-def measure_costs(
-    llm, context: list[int], grid: list[tuple[int, int]], reps: int
-) -> dict[str, Any]:
+Row = tuple[str, int, int]  # (method, N, K): ("smc", N, K) or ("sd", 1, K)
+
+
+def measure_costs(llm, context: list[int], rows: list[Row], reps: int) -> dict[str, Any]:
     target_one = time_forward(llm.target, context, 1, 1, reps)
-    draft_steps = {
-        n: time_forward(llm.draft, context, n, 1, reps) for n in sorted({n for n, _ in grid} | {1})
+    sizes = sorted({n for _, n, _ in rows} | {1})
+    draft_steps = {n: time_forward(llm.draft, context, n, 1, reps) for n in sizes}
+    verify = {
+        (n, k): time_forward(llm.target, context, n, k + 1, reps)
+        for n, k in dict.fromkeys((n, k) for _, n, k in rows)
     }
-    verify = {(n, k): time_forward(llm.target, context, n, k + 1, reps) for n, k in grid}
     return {"target_one": target_one, "draft": draft_steps, "verify": verify}
 
 
-def predict(costs: dict[str, Any], n: int, k: int) -> dict[str, float]:
+def predict(
+    costs: dict[str, Any], n: int, k: int, tokens_per_round: float | None = None
+) -> dict[str, float]:
+    """A round of K draft steps at N rows and one verify pass over N x (K+1) positions commits
+    `tokens_per_round` tokens: K+1 for smc, 1 + accepted drafts for sd (measured)."""
     t1 = costs["target_one"]
     rho = costs["draft"][1] / t1
+    tokens = k + 1 if tokens_per_round is None else tokens_per_round
     round_seconds = k * costs["draft"][n] + costs["verify"][(n, k)]
     return {
         "rho": rho,
-        "memory_bound": (k + 1) / (rho * k + 1),
-        "measured_costs": (k + 1) * t1 / round_seconds,
+        "memory_bound": tokens / (rho * k + 1),
+        "measured_costs": tokens * t1 / round_seconds,
     }
 
 
-def measured_speedups(speed_file: str | Path, temperature: float) -> dict[tuple[int, int], float]:
-    """Median over paired runs of smc tokens/s over ar tokens/s, from a `bench speed` file."""
+def measured_speedups(speed_file: str | Path, temperature: float) -> dict[Row, dict[str, float]]:
+    """Per (method, N, K) of a `bench speed` file: the median over paired runs of tokens/s over
+    ar's tokens/s, and the mean tokens committed per round."""
     records = [r for r in measurements(speed_file) if r["temperature"] == temperature]
     ar = {(r["prompt"], r["rep"]): r["tokens_per_second"] for r in records if r["method"] == "ar"}
-    ratios: dict[tuple[int, int], list[float]] = {}
+    ratios: dict[Row, list[float]] = {}
+    per_round: dict[Row, list[float]] = {}
     for r in records:
-        if r["method"] == "smc" and (r["prompt"], r["rep"]) in ar:
-            key = (r["settings"]["particles"], r["settings"]["draft_tokens"])
-            ratios.setdefault(key, []).append(r["tokens_per_second"] / ar[(r["prompt"], r["rep"])])
-    return {key: statistics.median(v) for key, v in ratios.items()}
+        row = _row_of(r)
+        if row is None or (r["prompt"], r["rep"]) not in ar:
+            continue
+        ratios.setdefault(row, []).append(r["tokens_per_second"] / ar[(r["prompt"], r["rep"])])
+        per_round.setdefault(row, []).append(r["new_tokens"] / r["rounds"])
+    return {
+        row: {"speedup": statistics.median(v), "tokens_per_round": statistics.fmean(per_round[row])}
+        for row, v in ratios.items()
+    }
 
 
-def roofline_table(costs: dict[str, Any], grid: list[tuple[int, int]], measured: dict) -> str:
+def _row_of(record: dict[str, Any]) -> Row | None:
+    s = record["settings"]
+    if set(s) - {"particles", "draft_tokens", "resample_threshold"}:
+        return None  # power, a draft temperature: not what the roofline models
+    if record["method"] == "smc":
+        return ("smc", s["particles"], s["draft_tokens"])
+    if record["method"] == "sd":
+        return ("sd", 1, s["draft_tokens"])
+    return None
+
+
+def roofline_table(costs: dict[str, Any], rows: list[Row], measured: dict) -> str:
     lines = [
-        f"target one-token step {1000 * costs['target_one']:.0f} ms; draft step at batch 1 "
-        f"{1000 * costs['draft'][1]:.0f} ms (rho = {costs['draft'][1] / costs['target_one']:.2f})",
+        f"target one-token step {1000 * costs['target_one']:.1f} ms; draft step at batch 1 "
+        f"{1000 * costs['draft'][1]:.1f} ms (rho = {costs['draft'][1] / costs['target_one']:.2f})",
         "",
-        "| N | K | draft step at N (ms) | verify N x (K+1) (ms) | predicted S (memory-bound) "
-        "| predicted S (measured costs) | measured S |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| method | N | K | tokens / round | draft step at N (ms) | verify N x (K+1) (ms) "
+        "| predicted S (memory-bound) | predicted S (measured costs) | measured S "
+        "| measured / predicted |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for n, k in grid:
-        p = predict(costs, n, k)
-        m = measured.get((n, k))
-        lines.append(
-            f"| {n} | {k} | {1000 * costs['draft'][n]:.0f} | {1000 * costs['verify'][(n, k)]:.0f} "
-            f"| {p['memory_bound']:.2f} | {p['measured_costs']:.2f} "
-            f"| {'-' if m is None else f'{m:.2f}'} |"
-        )
-    best = max(grid, key=lambda nk: measured.get(nk, predict(costs, *nk)["measured_costs"]))
-    basis = "measured" if best in measured else "predicted from measured costs"
-    lines += ["", f"Best configuration on this machine ({basis}): N = {best[0]}, K = {best[1]}."]
+    for row in rows:
+        lines.append(_table_line(costs, row, measured.get(row)))
+    smc = [r for r in rows if r[0] == "smc"]
+    if smc:
+        best = max(smc, key=lambda r: _best_key(costs, r, measured.get(r)))
+        basis = "measured" if best in measured else "predicted from measured costs"
+        lines += ["", f"Best smc configuration here ({basis}): N = {best[1]}, K = {best[2]}."]
     return "\n".join(lines) + "\n"
+
+
+def _table_line(costs: dict[str, Any], row: Row, seen: dict | None) -> str:
+    method, n, k = row
+    per_round = None if seen is None else seen["tokens_per_round"]
+    if method == "sd" and per_round is None:
+        return f"| sd | 1 | {k} | - | {1000 * costs['draft'][1]:.1f} | - | - | - | - | - |"
+    p = predict(costs, n, k, per_round if method == "sd" else None)
+    tokens = k + 1 if per_round is None else per_round
+    m = None if seen is None else seen["speedup"]
+    share = "-" if m is None else f"{m / p['measured_costs']:.0%}"
+    return (
+        f"| {method} | {n} | {k} | {tokens:.2f} | {1000 * costs['draft'][n]:.1f} "
+        f"| {1000 * costs['verify'][(n, k)]:.1f} | {p['memory_bound']:.2f} "
+        f"| {p['measured_costs']:.2f} | {'-' if m is None else f'{m:.2f}'} | {share} |"
+    )
+
+
+def _best_key(costs: dict[str, Any], row: Row, seen: dict | None) -> float:
+    return seen["speedup"] if seen else predict(costs, row[1], row[2])["measured_costs"]
 
 
 def run_roofline(
     llm,
-    grid: list[tuple[int, int]],
+    rows: list[Row],
     context: list[int],
     out_dir: str | Path,
     reps: int = 3,
@@ -110,11 +157,11 @@ def run_roofline(
     temperature: float = SamplingConfig.temperature,
     precision: str = "float32",
 ) -> str:
-    costs = measure_costs(llm, context, grid, reps)
+    costs = measure_costs(llm, context, rows, reps)
     measured = measured_speedups(speed_file, temperature) if speed_file else {}
     text = (
         f"Roofline: {machine.one_line(machine.describe(precision))}; context {len(context)} "
-        f"tokens; median of {reps} timings.\n\n" + roofline_table(costs, grid, measured)
+        f"tokens; median of {reps} timings.\n\n" + roofline_table(costs, rows, measured)
     )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

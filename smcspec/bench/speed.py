@@ -44,9 +44,16 @@ def prompt_ids(llm, n: int) -> list[list[int]]:
     return [llm.encode(chat_text(p), chat=True) for p in humaneval_problems(0, n)]
 
 
-def run_speed(llm, plan: SpeedPlan, out_dir: str | Path, precision: str = "float32") -> list[dict]:
+def run_speed(
+    llm, plan: SpeedPlan, out_dir: str | Path, precision: str = "float32", llama_cpp=None
+) -> list[dict]:
+    """Run the plan (resuming a half-done results file) and write speed.md; llama.cpp
+    contenders run on `llama_cpp` (a `bench.llamacpp.LlamaCpp`)."""
     out = Path(out_dir)
-    log = ResultLog(out / "speed.jsonl", machine.run_header(llm, precision, plan))
+    header = machine.run_header(llm, precision, plan)
+    if llama_cpp is not None:
+        header["llama_cpp"] = llama_cpp.describe()
+    log = ResultLog(out / "speed.jsonl", header)
     prompts = prompt_ids(llm, plan.prompts)
     jobs = [
         (temp, rep, i, c)
@@ -57,10 +64,11 @@ def run_speed(llm, plan: SpeedPlan, out_dir: str | Path, precision: str = "float
     ]
     todo = [j for j in jobs if not log.has(_key(plan, *j))]
     if todo:
-        _warm_up(llm, plan, prompts[0])
+        _warm_up(llm, plan, prompts[0], llama_cpp)
     for temp, rep, i, c in tqdm(todo, desc="bench speed", unit="run"):
         seed = plan.seed + 1000 * rep + i
-        result = run(llm, c, prompts[i], temp, plan.max_new_tokens, plan.natural_stop, seed)
+        new, stop = plan.max_new_tokens, plan.natural_stop
+        result = run(llm, c, prompts[i], temp, new, stop, seed, llama_cpp)
         result.pop("text", None)
         result.pop("particle_texts", None)
         log.add(
@@ -89,11 +97,11 @@ def _rotated(items: list, shift: int) -> list:
     return items[shift:] + items[:shift]
 
 
-def _warm_up(llm, plan: SpeedPlan, ids: list[int]) -> None:
-    """One short untimed run per method, so first-call costs (allocations, kernel selection)
-    do not land on whichever method happens to run first."""
+def _warm_up(llm, plan: SpeedPlan, ids: list[int], llama_cpp=None) -> None:
+    """One short untimed run per method, so first-call costs (allocations, kernel selection,
+    llama.cpp's model loads and server starts) do not land on whichever method runs first."""
     for c in plan.contenders:
-        run(llm, c, ids, plan.temperatures[0], 4, False, 0)
+        run(llm, c, ids, plan.temperatures[0], 4, False, 0, llama_cpp)
 
 
 def write_speed_report(out_dir: str | Path) -> list[dict]:

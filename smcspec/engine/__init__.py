@@ -5,7 +5,14 @@ passes over). The command lines, the server and the benchmarks import from here.
 
 from smcspec.decoding.base import ARStats, SDStats, SMCStats, Stats, start_cache
 from smcspec.engine.llm import LLM, GenerationResult
-from smcspec.engine.loading import BACKENDS, DTYPES, Pair, check_same_tokenizer, load_pair
+from smcspec.engine.loading import (
+    BACKENDS,
+    DTYPES,
+    Pair,
+    check_same_tokenizer,
+    gguf_files,
+    load_pair,
+)
 from smcspec.engine.request import Request
 from smcspec.models.base import CausalLM, PagedModel
 
@@ -23,6 +30,7 @@ __all__ = [
     "SMCStats",
     "Stats",
     "check_same_tokenizer",
+    "gguf_files",
     "load_pair",
     "start_cache",
 ]

@@ -43,6 +43,31 @@ def resolve_specs(
     return target, draft
 
 
+def gguf_files(
+    target: str | None, draft: str | None, cache_dir: str | None = None
+) -> tuple[Path, Path]:
+    """The .gguf files behind a pair, for engines that read GGUF themselves (llama.cpp): a spec
+    that is a .gguf file as given, None as the shipped default's file. Anything else (a folder,
+    a hub id) has no GGUF to hand over: ValueError naming it."""
+    out = []
+    for role, spec, key in (
+        ("target", target, defaults.DEFAULT_TARGET),
+        ("draft", draft, defaults.DEFAULT_DRAFT),
+    ):
+        if spec is None:
+            out.append(defaults.gguf_path(key, cache_dir))
+            continue
+        hf.check_spec(spec, role)
+        path = Path(spec).expanduser()
+        if path.suffix != ".gguf" or not path.is_file():
+            raise ValueError(
+                f"{role}: llama.cpp reads .gguf files; give --{role} a .gguf file "
+                f"(or leave it unset for the shipped default), got {spec}"
+            )
+        out.append(path)
+    return out[0], out[1]
+
+
 def load_pair(
     target: str | None,
     draft: str | None,

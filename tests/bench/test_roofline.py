@@ -24,14 +24,46 @@ def test_measured_cost_model_charges_wide_batches():
     assert p["measured_costs"] < p["memory_bound"]
 
 
-def test_table_names_the_best_configuration():
-    text = roofline.roofline_table(COSTS, [(1, 4), (4, 4)], {(4, 4): 1.9, (1, 4): 1.2})
-    assert "| 1 | 4 | 25 | 100 | 2.50 | 2.50 | 1.20 |" in text
+def test_sd_rows_use_the_tokens_it_committed_per_round():
+    p = roofline.predict(COSTS, 1, 4, tokens_per_round=3.0)
+    assert p["measured_costs"] == pytest.approx(3 * 0.1 / (4 * 0.025 + 0.1))
+    assert p["memory_bound"] == pytest.approx(3 / (0.25 * 4 + 1))
+
+
+def test_table_names_the_best_configuration_and_the_share_of_the_roofline():
+    measured = {
+        ("smc", 4, 4): {"speedup": 1.9, "tokens_per_round": 5.0},
+        ("smc", 1, 4): {"speedup": 1.2, "tokens_per_round": 5.0},
+        ("sd", 1, 4): {"speedup": 1.35, "tokens_per_round": 3.0},
+    }
+    rows = [("sd", 1, 4), ("smc", 1, 4), ("smc", 4, 4)]
+    text = roofline.roofline_table(COSTS, rows, measured)
+    # smc N=1 K=4: 5 tokens in 4 x 25 + 100 ms against 100 ms a token: 2.50, measured 1.20
+    assert "| smc | 1 | 4 | 5.00 | 25.0 | 100.0 | 2.50 | 2.50 | 1.20 | 48% |" in text
+    # sd K=4 commits 3 tokens a round: 1.50 predicted, 1.35 measured = 90%
+    assert "| sd | 1 | 4 | 3.00 | 25.0 | 100.0 | 1.50 | 1.50 | 1.35 | 90% |" in text
     assert "N = 4, K = 4" in text and "(measured)" in text
+
+
+def test_speed_file_gives_each_rows_speedup_and_tokens_per_round(tmp_path):
+    from smcspec.bench.results import ResultLog
+
+    log = ResultLog(tmp_path / "speed.jsonl", {"plan": {}})
+    base = {"temperature": 1.0, "prompt": 0, "rep": 0}
+    log.add("a", {**base, "method": "ar", "settings": {}, "tokens_per_second": 10.0})
+    sd = {"method": "sd", "settings": {"draft_tokens": 4}, "new_tokens": 30, "rounds": 10}
+    log.add("b", {**base, **sd, "tokens_per_second": 13.0})
+    power = {"particles": 2, "draft_tokens": 4, "power_alpha": 2.0}
+    smc = {"method": "smc", "settings": power, "new_tokens": 30, "rounds": 6}
+    log.add("c", {**base, **smc, "tokens_per_second": 12.0})
+    got = roofline.measured_speedups(tmp_path / "speed.jsonl", 1.0)
+    assert got == {("sd", 1, 4): {"speedup": pytest.approx(1.3), "tokens_per_round": 3.0}}
 
 
 def test_roofline_runs_on_toy_models(tmp_path):
     target = random_lm(5, seed=1)
     llm = LLM.from_models(target, perturbed_lm(target, seed=2, noise=0.5))
-    text = roofline.run_roofline(llm, [(2, 2)], [1, 2, 3, 4], tmp_path, reps=2)
-    assert "| 2 | 2 |" in text and (tmp_path / "roofline.md").exists()
+    rows = [("smc", 2, 2), ("sd", 1, 2)]
+    text = roofline.run_roofline(llm, rows, [1, 2, 3, 4], tmp_path, reps=2)
+    assert "| smc | 2 | 2 |" in text and "| sd | 1 | 2 | - |" in text
+    assert (tmp_path / "roofline.md").exists()

@@ -210,7 +210,8 @@ class _Server:
     def __init__(self, pair: GGUFPair, k: int, bin_dir: Path, threads: int) -> None:
         self.port = _free_port()
         cmd = [str(bin_dir / "llama-server"), "-m", str(pair.target), "-md", str(pair.draft)]
-        cmd += ["--spec-draft-n-max", str(k), "-t", str(threads), "-tb", str(threads)]
+        cmd += ["--spec-type", "draft-simple", "--spec-draft-n-max", str(k)]
+        cmd += ["-t", str(threads), "-tb", str(threads)]
         cmd += ["-td", str(threads), "-c", str(N_CTX), "-np", "1", "--no-webui"]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port)]
         self.log = bin_dir.parent / f"server-{self.port}.log"

@@ -47,11 +47,13 @@ def speed_summary(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for r in rs
             if (temp, r["prompt"], r["rep"]) in ar_tps
         ]
+        decode = [decode_rate(r) for r in rs if "prefill" in r.get("time_split", {})]
         row: dict[str, Any] = {
             "label": label,
             "temperature": temp,
             "runs": len(rs),
             "median_tps": statistics.median(tps),
+            "median_decode_tps": statistics.median(decode) if decode else None,
             "min_tps": min(tps),
             "max_tps": max(tps),
             "vs_ar": statistics.median(ratios) if ratios else None,
@@ -68,6 +70,12 @@ def speed_summary(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row.update(_split_fractions(rs))
         rows.append(row)
     return rows
+
+
+def decode_rate(record: dict[str, Any]) -> float:
+    """New tokens per second after the prefill (the whole run's rate when it was not timed)."""
+    prefill = record.get("time_split", {}).get("prefill", 0.0)
+    return record["new_tokens"] / (record["seconds"] - prefill)
 
 
 def _order(label: str) -> tuple[int, str]:
@@ -98,18 +106,22 @@ def _fmt(value: Any, digits: int = 2) -> str:
 
 def speed_table(rows: list[dict[str, Any]]) -> str:
     head = (
-        "| method | T | runs | median tok/s | min-max | vs ar | acceptance | accepted/round "
-        "| mean ESS | min ESS | resample rate | prefill / draft / verify / resample / other |\n"
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
+        "| method | T | runs | median tok/s | min-max | vs ar | decode tok/s | acceptance "
+        "| accepted/round | mean ESS | min ESS | resample rate "
+        "| prefill / draft / verify / resample / other |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
     )
     lines = []
     for r in rows:
         split = "-"
         if "frac_draft" in r:
             split = " / ".join(f"{100 * r.get('frac_' + k, 0):.0f}%" for k in STAGES)
+        elif "frac_prefill" in r:  # a peer that times its prefill only
+            split = f"prefill {100 * r['frac_prefill']:.0f}%"
         lines.append(
             f"| {r['label']} | {r['temperature']} | {r['runs']} | {_fmt(r['median_tps'])} "
             f"| {_fmt(r['min_tps'])}-{_fmt(r['max_tps'])} | {_fmt(r['vs_ar'])}x "
+            f"| {_fmt(r.get('median_decode_tps'))} "
             f"| {_fmt(r['acceptance_rate'])} | {_fmt(r['mean_accepted_length'])} "
             f"| {_fmt(r['mean_ess'])} | {_fmt(r['min_ess'])} | {_fmt(r['resample_rate'])} "
             f"| {split} |"

@@ -70,6 +70,8 @@ def test_speed_summary_pairs_runs_with_ar():
             "smc N=2 K=2",
             0,
             1.0,
+            new_tokens=4,
+            seconds=4.0,
             ess=[2.0, 1.5],
             resamples=1,
             rounds=2,
@@ -79,6 +81,8 @@ def test_speed_summary_pairs_runs_with_ar():
             "smc N=2 K=2",
             1,
             2.0,
+            new_tokens=8,
+            seconds=4.0,
             ess=[2.0, 2.0],
             resamples=0,
             rounds=2,
@@ -92,10 +96,13 @@ def test_speed_summary_pairs_runs_with_ar():
     assert rows["smc N=2 K=2"]["mean_ess"] == pytest.approx(1.875)
     assert rows["smc N=2 K=2"]["min_ess"] == 1.5 and rows["smc N=2 K=2"]["resample_rate"] == 0.25
     assert rows["smc N=2 K=2"]["frac_verify"] == pytest.approx(0.5)
+    # decode leaves the prefill out: 4 and 8 tokens in 4 - 1 s, median of 4/3 and 8/3
+    assert rows["smc N=2 K=2"]["median_decode_tps"] == pytest.approx(2.0)
+    assert rows["sd K=2"]["median_decode_tps"] is None  # no prefill timed
     table = report.speed_table(report.speed_summary(records))
     lines = table.strip().splitlines()
     assert len(lines) == 2 + 3
-    assert lines[3].startswith("| sd K=2 | 0.7 | 2 | 3.50 | 3.00-4.00 | 1.25x | 0.60 |")
+    assert lines[3].startswith("| sd K=2 | 0.7 | 2 | 3.50 | 3.00-4.00 | 1.25x | - | 0.60 |")
     assert "| 25% / 25% / 50% / 0% / 0% |" in lines[4]
 
 

@@ -50,14 +50,17 @@ def test_speed_file_gives_each_rows_speedup_and_tokens_per_round(tmp_path):
 
     log = ResultLog(tmp_path / "speed.jsonl", {"plan": {}})
     base = {"temperature": 1.0, "prompt": 0, "rep": 0}
-    log.add("a", {**base, "method": "ar", "settings": {}, "tokens_per_second": 10.0})
+    # ar: 30 tokens in 4 s, 1 of them prefill: 10 tok/s decoding; sd: 30 in 3.5 s, 1.5 of them
+    # prefill: 15 tok/s decoding, 1.5x (end to end it is only 4 / 3.5 = 1.14x)
+    ar = {"method": "ar", "settings": {}, "new_tokens": 30, "seconds": 4.0}
+    log.add("a", {**base, **ar, "time_split": {"prefill": 1.0}})
     sd = {"method": "sd", "settings": {"draft_tokens": 4}, "new_tokens": 30, "rounds": 10}
-    log.add("b", {**base, **sd, "tokens_per_second": 13.0})
+    log.add("b", {**base, **sd, "seconds": 3.5, "time_split": {"prefill": 1.5}})
     power = {"particles": 2, "draft_tokens": 4, "power_alpha": 2.0}
-    smc = {"method": "smc", "settings": power, "new_tokens": 30, "rounds": 6}
-    log.add("c", {**base, **smc, "tokens_per_second": 12.0})
+    smc = {"method": "smc", "settings": power, "new_tokens": 30, "rounds": 6, "seconds": 2.0}
+    log.add("c", {**base, **smc, "time_split": {"prefill": 1.0}})
     got = roofline.measured_speedups(tmp_path / "speed.jsonl", 1.0)
-    assert got == {("sd", 1, 4): {"speedup": pytest.approx(1.3), "tokens_per_round": 3.0}}
+    assert got == {("sd", 1, 4): {"speedup": pytest.approx(1.5), "tokens_per_round": 3.0}}
 
 
 def test_roofline_runs_on_toy_models(tmp_path):

@@ -39,15 +39,18 @@ def log_probs(
     logits are at least one ulp (|logit| * 6e-8) apart, more than 1e31 once scaled, so every
     token but the arg-max has tempered mass exp(-1e31) = 0 in any float; the greedy law IS the
     tempered law, up to ties among maxima (then the first one, as T = 0 does)."""
-    logits = _finite(logits if logits.dtype == torch.float64 else logits.float())
+    finite = _finite(logits if logits.dtype == torch.float64 else logits.float())  # a copy
     if temperature == 0:
-        return _greedy(logits)
-    scaled = logits / temperature  # [..., V]
-    overflow = (scaled.isinf() & logits.isfinite()).any(dim=-1, keepdim=True)  # [..., 1]
-    # Asking whether any row overflowed is free on the CPU and a host sync on a GPU, where the
-    # select always runs instead.
-    if logits.device.type != "cpu" or overflow.any():
-        scaled = torch.where(overflow, _greedy(logits), scaled)
+        return _greedy(finite)
+    # Asking whether any row overflowed is a host sync on a GPU, where the select always runs
+    # instead. On the CPU one min/max pass usually shows that none can, and the copy is then
+    # scaled in place: over 152k tokens a row, every pass and every new tensor counts.
+    if logits.device.type != "cpu" or _may_overflow(finite, temperature):
+        scaled = finite / temperature  # [..., V]
+        overflow = (scaled.isinf() & finite.isfinite()).any(dim=-1, keepdim=True)  # [..., 1]
+        scaled = torch.where(overflow, _greedy(finite), scaled)
+    else:
+        scaled = finite.div_(temperature)
     if 0 < top_k < scaled.shape[-1]:
         scaled = _keep_top_k(scaled, top_k)
     if top_p < 1.0:
@@ -55,6 +58,17 @@ def log_probs(
     if min_p > 0.0:
         scaled = _keep_min_p(scaled, min_p)
     return torch.log_softmax(scaled, dim=-1)
+
+
+def _may_overflow(logits: torch.Tensor, temperature: float) -> bool:
+    """False when no finite logit can leave the float range once divided by `temperature`
+    (logits: no NaN, no +inf). Dividing by T >= 1 never can; below, the bound is the largest
+    magnitude, unless some token is masked at -inf (then the finite minimum is unknown: True)."""
+    if temperature >= 1.0:
+        return False
+    lo, hi = torch.aminmax(logits)
+    bound = max(abs(float(lo)), abs(float(hi)))
+    return not math.isfinite(bound) or bound >= torch.finfo(logits.dtype).max * temperature
 
 
 def _finite(logits: torch.Tensor) -> torch.Tensor:
@@ -190,7 +204,7 @@ def sample(logp: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     first holds at a token of positive probability. A row without mass (all -inf, or NaN: a
     caller's dead particle) has nothing to draw; it gets its arg-max id (0 if all -inf), never V,
     which would fail the next forward pass of every request batched with it."""
-    cdf = logp.double().exp().cumsum(dim=-1)  # [..., V]
+    cdf = logp.to(torch.float64, copy=True).exp_().cumsum_(dim=-1)  # [..., V], one new tensor
     u = uniforms(logp.shape[:-1], generator, logp.device)
     total = cdf[..., -1]
     # scaled to the row's total (~1), kept strictly below it despite rounding

@@ -6,8 +6,9 @@ rho times a target step, so SMC-SD commits K+1 tokens for K draft steps and one 
 Measured-cost model: the same round with the costs this machine actually has, including the
 compute-bound penalty of wide batches:
     S_meas = (K + 1) t_target(1) / (K t_draft(N) + t_target(N x (K+1))).
-sd rows use the same round at N = 1 with the tokens it actually committed per round (1 +
-accepted drafts, from the speed runs) in place of K + 1. "measured / predicted" is how close
+sd rows use the same round at N = 1. With speed runs at hand, every row counts the tokens its
+rounds actually committed (sd: 1 + accepted drafts; both: the last round cut short by the length
+limit) in place of K + 1. "measured / predicted" is how close
 the implementation comes to its own round's forward passes: the rest is everything else
 (sampling, weights, resampling, Python).
 Both are set beside the end-to-end speed-up, measured or read from a `bench speed` result file.
@@ -66,7 +67,8 @@ def predict(
     costs: dict[str, Any], n: int, k: int, tokens_per_round: float | None = None
 ) -> dict[str, float]:
     """A round of K draft steps at N rows and one verify pass over N x (K+1) positions commits
-    `tokens_per_round` tokens: K+1 for smc, 1 + accepted drafts for sd (measured)."""
+    `tokens_per_round` tokens: K+1 for smc, 1 + accepted drafts for sd. Measured, it also counts
+    the last round, cut short by the length limit (64 tokens are 7 rounds of 9 and one of 1)."""
     t1 = costs["target_one"]
     rho = costs["draft"][1] / t1
     tokens = k + 1 if tokens_per_round is None else tokens_per_round
@@ -135,7 +137,7 @@ def _table_line(costs: dict[str, Any], row: Row, seen: dict | None) -> str:
     per_round = None if seen is None else seen["tokens_per_round"]
     if method == "sd" and per_round is None:
         return f"| sd | 1 | {k} | - | {1000 * costs['draft'][1]:.1f} | - | - | - | - | - |"
-    p = predict(costs, n, k, per_round if method == "sd" else None)
+    p = predict(costs, n, k, per_round)
     tokens = k + 1 if per_round is None else per_round
     m = None if seen is None else seen["speedup"]
     share = "-" if m is None else f"{m / p['measured_costs']:.0%}"

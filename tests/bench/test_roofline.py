@@ -33,13 +33,14 @@ def test_sd_rows_use_the_tokens_it_committed_per_round():
 def test_table_names_the_best_configuration_and_the_share_of_the_roofline():
     measured = {
         ("smc", 4, 4): {"speedup": 1.9, "tokens_per_round": 5.0},
-        ("smc", 1, 4): {"speedup": 1.2, "tokens_per_round": 5.0},
+        ("smc", 1, 4): {"speedup": 1.2, "tokens_per_round": 4.0},
         ("sd", 1, 4): {"speedup": 1.35, "tokens_per_round": 3.0},
     }
     rows = [("sd", 1, 4), ("smc", 1, 4), ("smc", 4, 4)]
     text = roofline.roofline_table(COSTS, rows, measured)
-    # smc N=1 K=4: 5 tokens in 4 x 25 + 100 ms against 100 ms a token: 2.50, measured 1.20
-    assert "| smc | 1 | 4 | 5.00 | 25.0 | 100.0 | 2.50 | 2.50 | 1.20 | 48% |" in text
+    # smc N=1 K=4 committed 4 tokens a round (its last round cut short): 4 in 4 x 25 + 100 ms
+    # against 100 ms a token: 2.00, measured 1.20
+    assert "| smc | 1 | 4 | 4.00 | 25.0 | 100.0 | 2.00 | 2.00 | 1.20 | 60% |" in text
     # sd K=4 commits 3 tokens a round: 1.50 predicted, 1.35 measured = 90%
     assert "| sd | 1 | 4 | 3.00 | 25.0 | 100.0 | 1.50 | 1.50 | 1.35 | 90% |" in text
     assert "N = 4, K = 4" in text and "(measured)" in text

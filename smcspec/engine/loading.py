@@ -87,7 +87,8 @@ def load_pair(
     backend = "native" if chosen == {"native"} else "hf"  # native needs both
     graphs = not enforce_eager
     target_model, target_tok = loader.load(target, backend, dtype, device, graphs)
-    draft_model, draft_tok = loader.load(draft, backend, dtype, device, graphs)
+    shared = target_tok if loader.same_tokenizer_files(target, draft) else None
+    draft_model, draft_tok = loader.load(draft, backend, dtype, device, graphs, shared)
     check_same_tokenizer(target_tok, draft_tok)
     names = (display_name(target), display_name(draft))
     return Pair(target_model, draft_model, target_tok, backend, dtype, names)
@@ -118,7 +119,7 @@ def display_name(spec: str) -> str:
 
 def check_same_tokenizer(target_tok: Any, draft_tok: Any) -> None:
     """Refuse a pair whose tokenizers map text to different ids."""
-    if target_tok.get_vocab() != draft_tok.get_vocab():
+    if target_tok is not draft_tok and target_tok.get_vocab() != draft_tok.get_vocab():
         raise ValueError(
             "draft and target tokenizers differ: SMC and speculative decoding need a draft that "
             "shares the target's vocabulary"

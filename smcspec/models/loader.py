@@ -15,6 +15,8 @@ bfloat16 on CUDA).
 
 from __future__ import annotations
 
+import hashlib
+
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -111,17 +113,18 @@ def choose_backend(spec: str, backend: str, device: str, dtype: str) -> str:
 
 
 def load(
-    spec: str, backend: str, dtype: str, device: str, graphs: bool = True
+    spec: str, backend: str, dtype: str, device: str, graphs: bool = True, tokenizer: Any = None
 ) -> tuple[CausalLM, Any]:
     """(model, tokenizer) for an already checked spec and a resolved backend and dtype;
-    `graphs`: the native engine replays CUDA graphs of its repeated steps on a GPU."""
+    `graphs`: the native engine replays CUDA graphs of its repeated steps on a GPU; `tokenizer`:
+    one already loaded from the same files (the native engine then loads none)."""
     from smcspec.models import hf
 
     if backend == "hf":
         if _hf_drops_rope(spec):
             raise ValueError(f"{spec} scales RoPE: {_GGUF_HF_SCALING}, or use --backend native")
         return hf.load(spec, dtype, device)
-    return load_native(spec, dtype, device, graphs)
+    return load_native(spec, dtype, device, graphs, tokenizer)
 
 
 _GGUF_HF_SCALING = (
@@ -142,6 +145,9 @@ def _hf_drops_rope(spec: str) -> bool:
     return gguf_loader.has_rope_scaling(path)
 
 
+_TOKENIZER_FILES = ("tokenizer", "special_tokens_map", "vocab", "merges", "chat_template", "added")
+
+
 def load_tokenizer(spec: str) -> Any:
     """The tokenizer of a local folder or .gguf file."""
     from transformers import AutoTokenizer
@@ -152,7 +158,24 @@ def load_tokenizer(spec: str) -> Any:
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def load_native(spec: str, dtype: str, device: str, graphs: bool = True) -> tuple[CausalLM, Any]:
+def same_tokenizer_files(a: str, b: str) -> bool:
+    """Whether two local specs hold byte-identical tokenizer files (a draft and a target of one
+    family), so that one loaded tokenizer serves both."""
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    if not (pa.is_dir() and pb.is_dir()):
+        return pa.is_file() and pa.resolve() == pb.resolve()
+    return _tokenizer_key(pa) == _tokenizer_key(pb)
+
+
+def _tokenizer_key(path: Path) -> tuple:
+    """A folder's tokenizer files by name and SHA-256."""
+    files = sorted(f for f in path.iterdir() if f.name.startswith(_TOKENIZER_FILES))
+    return tuple((f.name, hashlib.sha256(f.read_bytes()).hexdigest()) for f in files)
+
+
+def load_native(
+    spec: str, dtype: str, device: str, graphs: bool = True, tokenizer: Any = None
+) -> tuple[CausalLM, Any]:
     """The native Llama-family model on a paged KV cache, from a local safetensors folder or a
     .gguf file, on `device` (a resolved one: cpu, cuda or cuda:<i>)."""
     from smcspec.models.hf import collect_ids
@@ -166,7 +189,7 @@ def load_native(spec: str, dtype: str, device: str, graphs: bool = True) -> tupl
     if reason is not None:
         hint = _GGUF_HF_SCALING if _hf_drops_rope(spec) else "use --backend hf"
         raise ValueError(f"{reason}; {hint}")
-    tokenizer = load_tokenizer(spec)
+    tokenizer = load_tokenizer(spec) if tokenizer is None else tokenizer
     if path.suffix == ".gguf":
         model = LlamaModel.from_gguf(path, dtype, device)
         return NativeCausalLM(model, {tokenizer.eos_token_id}, graphs=graphs), tokenizer

@@ -89,6 +89,30 @@ def test_mismatched_tokenizers_are_refused():
         check_same_tokenizer(_Tok({"a": 0, "b": 1}), _Tok({"a": 1, "b": 0}))
 
 
+def test_a_pair_with_the_same_tokenizer_files_loads_one_tokenizer(
+    tiny_llama_folder, tiny_llama_draft_folder, tmp_path, monkeypatch
+):
+    import shutil
+
+    from smcspec.models import loader
+
+    loads = []
+    real = loader.load_tokenizer
+    monkeypatch.setattr(loader, "load_tokenizer", lambda spec: loads.append(spec) or real(spec))
+    llm = LLM(str(tiny_llama_folder), str(tiny_llama_draft_folder), backend="native")
+    assert loads == [str(tiny_llama_folder)]
+    assert llm.generate("w1 w2", "sd", max_new_tokens=3, seed=0).diagnostics["new_tokens"] == 3
+    # one byte of difference in a tokenizer file: each model gets its own, and the check runs
+    other = tmp_path / "draft"
+    shutil.copytree(tiny_llama_draft_folder, other)
+    config = other / "tokenizer_config.json"
+    config.write_text(config.read_text().replace("{", "{ ", 1))
+    assert not loader.same_tokenizer_files(str(tiny_llama_folder), str(other))
+    loads.clear()
+    LLM(str(tiny_llama_folder), str(other), backend="native")
+    assert loads == [str(tiny_llama_folder), str(other)]
+
+
 def test_potentials_through_the_api():
     from smcspec.models.toy import perturbed_lm, random_lm
 

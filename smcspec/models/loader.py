@@ -16,7 +16,6 @@ bfloat16 on CUDA).
 from __future__ import annotations
 
 import hashlib
-
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any

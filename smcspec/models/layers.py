@@ -15,6 +15,14 @@ import torch
 import torch.nn.functional as F
 
 _LINEAR_INT8 = torch.ops.quantized.linear_dynamic.default  # the overload itself: less dispatch
+# torch calls its quantized tensors deprecated, once per process, from whichever thread packs
+# first (the loader packs on a thread pool, where a `catch_warnings` block does not reach): the
+# message names nothing a user can act on, so it is filtered here, by its text alone.
+warnings.filterwarnings(
+    "ignore",
+    message=r"torch\.quantize_per_tensor, torch\.quantize_per_channel",
+    category=UserWarning,
+)
 
 
 class DenseLinear:
@@ -52,9 +60,7 @@ class Int8Linear:
         self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, reduce_range: bool
     ) -> None:
         zeros = torch.zeros(q.shape[0], dtype=torch.long)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # quantized tensors are "deprecated"
-            qweight = torch._make_per_channel_quantized_tensor(q, scale.double(), zeros, 0)
+        qweight = torch._make_per_channel_quantized_tensor(q, scale.double(), zeros, 0)
         self.bias = None if bias is None else bias.float()
         self.out_features, self.in_features = int(q.shape[0]), int(q.shape[1])
         self.packed = torch.ops.quantized.linear_prepack(qweight, None)

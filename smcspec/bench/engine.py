@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from smcspec.bench import machine
 from smcspec.bench.contenders import Contender, run
-from smcspec.bench.report import _fmt
+from smcspec.bench.report import _fmt, decode_rate
 from smcspec.bench.results import ResultLog, header, measurements
 from smcspec.bench.roofline import time_forward
 from smcspec.bench.speed import prompt_ids
@@ -204,9 +204,7 @@ def _e2e_table(records: list[dict], backends: list[str], plan: dict) -> list[str
         if not rs:
             return None
         if decode_only:  # new tokens over the time after the prompt's prefill
-            return statistics.mean(
-                r["new_tokens"] / (r["seconds"] - r["time_split"]["prefill"]) for r in rs
-            )
+            return statistics.mean(decode_rate(r) for r in rs)
         return statistics.mean(r["tokens_per_second"] for r in rs)
 
     lines = [

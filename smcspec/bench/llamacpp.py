@@ -39,8 +39,9 @@ START_SECONDS = 300
 
 def binaries(cache_dir: str | None = None) -> Path:
     """The folder holding llama-server and llama-quantize; ValueError saying how to build them."""
-    root = Path(cache_dir or os.environ.get("SMCSPEC_CACHE") or Path.home() / ".cache/smcspec")
-    folder = root.expanduser() / "llama.cpp" / VERSION / "build" / "bin"
+    from smcspec.engine.loading import cache_root
+
+    folder = cache_root(cache_dir) / "llama.cpp" / VERSION / "build" / "bin"
     missing = [b for b in ("llama-server", "llama-quantize") if not (folder / b).is_file()]
     if missing:
         raise ValueError(f"{HOW} ({', '.join(missing)} not found in {folder})")

@@ -8,9 +8,8 @@ compute-bound penalty of wide batches:
     S_meas = (K + 1) t_target(1) / (K t_draft(N) + t_target(N x (K+1))).
 sd rows use the same round at N = 1. With speed runs at hand, every row counts the tokens its
 rounds actually committed (sd: 1 + accepted drafts; both: the last round cut short by the length
-limit) in place of K + 1. "measured / predicted" is how close
-the implementation comes to its own round's forward passes: the rest is everything else
-(sampling, weights, resampling, Python).
+limit) in place of K + 1. "measured / predicted" is how close the implementation comes to its
+own round's forward passes: the rest is everything else (sampling, weights, resampling, Python).
 Both are set beside the end-to-end speed-up, measured or read from a `bench speed` result file.
 """
 
@@ -75,6 +74,7 @@ def predict(
     round_seconds = k * costs["draft"][n] + costs["verify"][(n, k)]
     return {
         "rho": rho,
+        "tokens_per_round": tokens,
         "memory_bound": tokens / (rho * k + 1),
         "measured_costs": tokens * t1 / round_seconds,
     }
@@ -138,11 +138,10 @@ def _table_line(costs: dict[str, Any], row: Row, seen: dict | None) -> str:
     if method == "sd" and per_round is None:
         return f"| sd | 1 | {k} | - | {1000 * costs['draft'][1]:.1f} | - | - | - | - | - |"
     p = predict(costs, n, k, per_round)
-    tokens = k + 1 if per_round is None else per_round
     m = None if seen is None else seen["speedup"]
     share = "-" if m is None else f"{m / p['measured_costs']:.0%}"
     return (
-        f"| {method} | {n} | {k} | {tokens:.2f} | {1000 * costs['draft'][n]:.1f} "
+        f"| {method} | {n} | {k} | {p['tokens_per_round']:.2f} | {1000 * costs['draft'][n]:.1f} "
         f"| {1000 * costs['verify'][(n, k)]:.1f} | {p['memory_bound']:.2f} "
         f"| {p['measured_costs']:.2f} | {'-' if m is None else f'{m:.2f}'} | {share} |"
     )

@@ -43,6 +43,11 @@ def resolve_specs(
     return target, draft
 
 
+def cache_root(cache_dir: str | None = None) -> Path:
+    """smcspec's cache folder: `cache_dir`, else $SMCSPEC_CACHE, else ~/.cache/smcspec."""
+    return defaults.cache_root(cache_dir)
+
+
 def gguf_files(
     target: str | None, draft: str | None, cache_dir: str | None = None
 ) -> tuple[Path, Path]:

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from smcspec.models import defaults
+
 FORMAT = 1  # bump when the cached tensors' meaning changes
 _DTYPES = {torch.int8: "I8", torch.float32: "F32"}
 # (name, dtype, shape, a function that makes the tensor when it is written)
@@ -102,9 +104,8 @@ def location(spec: Path, cache_root: Path | None = None) -> Path:
     name = f"{spec.stem}.int8" if spec.suffix == ".gguf" else "smcspec-int8"
     if os.access(folder, os.W_OK):
         return folder / name
-    root = cache_root or Path(os.environ.get("SMCSPEC_CACHE", Path.home() / ".cache/smcspec"))
     key = hashlib.sha256(str(spec.resolve()).encode()).hexdigest()[:16]
-    return root / "int8" / key / name
+    return defaults.cache_root(cache_root) / "int8" / key / name
 
 
 def load(spec: Path, cache_root: Path | None = None) -> LazyWeights | None:

@@ -2,6 +2,8 @@
 template that joins the messages), saved to a local folder, so both backends, the engine and the
 server are tested without any download."""
 
+import os
+
 import pytest
 import torch
 
@@ -49,6 +51,13 @@ def save_random_model(
     torch.manual_seed(seed)
     model_class(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+
+
+def pytest_configure(config):
+    """Under pytest-xdist each worker gets one core: one torch thread per worker, so two
+    workers on a 2-core machine never wait for each other's threads."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
 
 
 @pytest.fixture

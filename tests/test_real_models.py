@@ -12,7 +12,9 @@ import pytest
 
 from smcspec import LLM
 
-pytestmark = pytest.mark.real_model
+# One worker runs this whole file under pytest-xdist (`--dist loadgroup`): the model pair is
+# loaded once, and only one worker holds it in memory.
+pytestmark = [pytest.mark.real_model, pytest.mark.xdist_group("real_model")]
 
 PROMPT = "Write a Python function that checks if a number is prime."
 

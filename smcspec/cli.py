@@ -18,6 +18,7 @@ from smcspec.cli_common import (
     add_resample_threshold,
     command,
     llm_from_args,
+    llm_kwargs,
 )
 from smcspec.config import (
     MAX_PARTICLES,
@@ -259,7 +260,45 @@ def _add_serve(sub) -> None:
         help="clients must send 'Authorization: Bearer KEY' on every route but /health "
         "(default: $SMCSPEC_API_KEY, else none; the variable keeps the key out of `ps`)",
     )
+    _add_replicas(serve)
     add_model_options(serve)
+
+
+def _add_replicas(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group(
+        "replicas on Ray Serve (pip install 'smcspec[ray]'; without these flags: one process)"
+    )
+    group.add_argument("--replicas", type=int, default=None, help="engines behind Ray's router")
+    group.add_argument(
+        "--autoscale",
+        default=None,
+        metavar="MIN:MAX",
+        help="let Ray add and remove replicas between MIN and MAX",
+    )
+    group.add_argument(
+        "--target-ongoing",
+        type=float,
+        default=None,
+        help="with --autoscale: requests per replica Ray aims at (default: --max-running / 2)",
+    )
+    group.add_argument(
+        "--replica-cpus",
+        type=float,
+        default=None,
+        help="CPUs each replica reserves, and the threads it computes on (default: 1)",
+    )
+    group.add_argument(
+        "--replica-gpus",
+        type=float,
+        default=None,
+        help="GPUs each replica reserves (default: 0; 1 places one engine per GPU)",
+    )
+    group.add_argument(
+        "--ray-address",
+        default=None,
+        help="join a running Ray cluster: auto, HOST:PORT or ray://HOST:PORT "
+        "(default: $RAY_ADDRESS, else a new one on this machine)",
+    )
 
 
 def _add_serve_limits(serve: argparse.ArgumentParser) -> None:
@@ -353,6 +392,9 @@ def _serve(args: argparse.Namespace) -> int:
         read_timeout=args.read_timeout,
         api_key=_api_key(args),
     )
+    replicas = _replica_options(args)
+    if replicas is not None:
+        return _serve_replicas(args, defaults, replicas)
     llm = llm_from_args(args)
     name = args.model_name or public_name(llm.names[0])
     defaults = dataclasses.replace(defaults, model_name=name)
@@ -364,6 +406,51 @@ def _serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     HTTPServer(app, args.host, args.port).run()
+    return 0
+
+
+def _replica_options(args: argparse.Namespace):
+    """The replica settings when any replica flag is given (checked here, before Ray starts or
+    a model loads), else None: the single-process server."""
+    from smcspec.server.cluster import ReplicaOptions, parse_autoscale
+
+    given = (args.replicas, args.autoscale, args.target_ongoing, args.ray_address)
+    if all(v is None for v in (*given, args.replica_cpus, args.replica_gpus)):
+        return None
+    options = ReplicaOptions(
+        replicas=args.replicas,
+        autoscale=None if args.autoscale is None else parse_autoscale(args.autoscale),
+        target_ongoing=args.target_ongoing,
+        replica_cpus=1.0 if args.replica_cpus is None else args.replica_cpus,
+        replica_gpus=0.0 if args.replica_gpus is None else args.replica_gpus,
+        address=args.ray_address or os.environ.get("RAY_ADDRESS") or None,
+    )
+    if args.device.startswith("cuda") and options.replica_gpus == 0:
+        raise ValueError(f"--device {args.device} needs --replica-gpus > 0 with replicas")
+    return options
+
+
+def _serve_replicas(args: argparse.Namespace, defaults, options) -> int:
+    import importlib.util
+
+    from smcspec.engine.loading import display_name, resolve_specs
+    from smcspec.server.runtime import public_name
+
+    if importlib.util.find_spec("ray") is None:
+        raise RuntimeError("replicas run on Ray Serve: pip install 'smcspec[ray]'")
+    from smcspec.server.cluster import check_reachable
+    from smcspec.server.ray_app import ReplicaSpec, serve_replicas
+
+    if options.address is not None:
+        check_reachable(options.address)
+
+    # Checked, and the default pair fetched, once here rather than by every replica at once.
+    kwargs = llm_kwargs(args)
+    kwargs["target"], kwargs["draft"] = resolve_specs(args.target, args.draft, args.cache_dir)
+    name = args.model_name or public_name(display_name(kwargs["target"]))
+    defaults = dataclasses.replace(defaults, model_name=name)
+    spec = ReplicaSpec(kwargs, defaults, threads=options.torch_threads)
+    serve_replicas(spec, options, args.host, args.port)
     return 0
 
 

@@ -64,19 +64,25 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+def llm_kwargs(args: argparse.Namespace, backend: str | None = None) -> dict:
+    """`LLM`'s arguments from the model options (`add_model_options`); `backend` overrides
+    --backend."""
+    return {
+        "target": args.target,
+        "draft": args.draft,
+        "dtype": args.dtype,
+        "device": args.device,
+        "cache_dir": args.cache_dir,
+        "backend": args.backend if backend is None else backend,
+        "enforce_eager": args.enforce_eager,
+    }
+
+
 def llm_from_args(args: argparse.Namespace, backend: str | None = None):
     """The LLM the model options (`add_model_options`) name; `backend` overrides --backend."""
     from smcspec.engine import LLM
 
-    return LLM(
-        args.target,
-        args.draft,
-        dtype=args.dtype,
-        device=args.device,
-        cache_dir=args.cache_dir,
-        backend=args.backend if backend is None else backend,
-        enforce_eager=args.enforce_eager,
-    )
+    return LLM(**llm_kwargs(args, backend))
 
 
 def add_resample_threshold(p: argparse.ArgumentParser) -> None:

@@ -13,9 +13,14 @@ class ResultLog:
     def __init__(self, path: str | Path, header: dict[str, Any]) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.done: set[str] = {r["key"] for r in read(self.path) if "key" in r}
+        self.done = self.existing(self.path)
         if not self.path.exists() or self.path.stat().st_size == 0:
             self._write({"kind": "header", **header})
+
+    @staticmethod
+    def existing(path: str | Path) -> set[str]:
+        """The keys a result file holds already."""
+        return {r["key"] for r in read(path) if "key" in r}
 
     def has(self, key: str) -> bool:
         return key in self.done

@@ -11,6 +11,8 @@ share of time spent in passes (from /metrics), and the method's diagnostics.
 from __future__ import annotations
 
 import json
+import os
+import re
 import socket
 import statistics
 import subprocess
@@ -26,6 +28,7 @@ from smcspec.bench.prompts import chat_text, humaneval_problems
 from smcspec.bench.report import _fmt
 from smcspec.bench.results import ResultLog, header, measurements
 from smcspec.config import SamplingConfig
+from smcspec.server.cluster import PUSH_S
 
 MODEL_NAME = "bench"
 METHODS = {
@@ -43,8 +46,12 @@ class ServePlan:
     requests: int = 16
     max_tokens: int = 32
     temperature: float = SamplingConfig.temperature
+    # 0: one `smcspec serve` process; n >= 1: n replicas on Ray Serve (`--replicas n`)
+    replicas: tuple[int, ...] = (0,)
 
     def __post_init__(self) -> None:
+        if not self.replicas or min(self.replicas) < 0:
+            raise ValueError("--replicas needs counts >= 0 (0: one process without Ray)")
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown:
             raise ValueError(f"unknown methods {unknown}: choose from {', '.join(METHODS)}")
@@ -66,11 +73,36 @@ def run_serve_bench(
     if len(prompts) != plan.requests:
         raise ValueError(f"{plan.requests} requests need as many prompts, got {len(prompts)}")
     bodies = [_body(p, plan) for p in prompts]
+    for replicas in plan.replicas:
+        _measure_server(plan, replicas, serve_args, out, bodies, source)
+    table = report(out / "serve.jsonl")
+    (out / "serve.md").write_text(table)
+    return table
+
+
+def _measure_server(
+    plan: ServePlan,
+    replicas: int,
+    serve_args: list[str],
+    out: Path,
+    bodies: list[dict],
+    source: str,
+) -> None:
+    """Every (method, concurrency) of one server: one process, or `replicas` on Ray."""
+    suffix = "" if replicas == 0 else f"|{replicas} replicas"
+    todo = [(m, c) for m in plan.methods for c in plan.concurrency]
+    done = ResultLog.existing(out / "serve.jsonl")
+    if all(f"{m}|{c}{suffix}" in done for m, c in todo) and f"roundtrip{suffix}" in done:
+        return
     port = free_port()
-    proc = _start([*serve_args, "--max-running", str(max(plan.concurrency))], port)
+    args = [*serve_args, "--max-running", str(max(plan.concurrency))]
+    if replicas:  # the machine's cores shared out, so that n replicas compute on all of them
+        cpus = max(1, (os.cpu_count() or 1) // replicas)
+        args += ["--replicas", str(replicas), "--replica-cpus", str(cpus)]
+    proc = _start(args, port)
     url = f"http://127.0.0.1:{port}"
     try:
-        info = wait_ready(url, proc)
+        info = wait_ready(url, proc, replicas=replicas)
         precision = f"{info['dtype']}, {info['backend']} backend"
         log = ResultLog(
             out / "serve.jsonl",
@@ -81,22 +113,40 @@ def run_serve_bench(
                 "prompts": source,
             },
         )
+        if not log.has(f"roundtrip{suffix}"):
+            log.add(f"roundtrip{suffix}", {"replicas": replicas, **_round_trip(url)})
         for label in plan.methods:
             _one(url, {**bodies[0], **METHODS[label]})  # warm-up, not counted
             for c in plan.concurrency:
-                key = f"{label}|{c}"
+                key = f"{label}|{c}{suffix}"
                 if log.has(key):
                     continue
                 extra = METHODS[label]
-                record = _level(url, [{**b, **extra} for b in bodies], c)
-                log.add(key, {"method": label, "concurrency": c, **record})
-                print(f"[serve] {label} x{c}: {_fmt(record['tokens_per_second'])} tok/s")
+                record = _level(url, [{**b, **extra} for b in bodies], c, settle=replicas > 0)
+                log.add(key, {"method": label, "concurrency": c, "replicas": replicas, **record})
+                where = f" ({replicas} replicas)" if replicas else ""
+                print(f"[serve] {label} x{c}{where}: {_fmt(record['tokens_per_second'])} tok/s")
     finally:
         proc.terminate()
-        proc.wait(timeout=60)
-    table = report(out / "serve.jsonl")
-    (out / "serve.md").write_text(table)
-    return table
+        proc.wait(timeout=120)
+
+
+def _round_trip(url: str, n: int = 200) -> dict[str, float]:
+    """Milliseconds of a request that does no work (GET /v1/models, one connection): what
+    the HTTP path, Ray's proxy and router included, adds to every request."""
+    import requests
+
+    with requests.Session() as session:
+        times = []
+        for _ in range(n):
+            start = time.perf_counter()
+            session.get(url + "/v1/models", timeout=30).raise_for_status()
+            times.append(1000 * (time.perf_counter() - start))
+    times.sort()
+    return {
+        "roundtrip_ms_median": statistics.median(times),
+        "roundtrip_ms_p95": times[int(0.95 * n)],
+    }
 
 
 def _body(prompt: str, plan: ServePlan) -> dict:
@@ -123,7 +173,8 @@ def _start(serve_args: list[str], port: int) -> subprocess.Popen:
     return subprocess.Popen(cmd)
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 1800) -> dict:
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 1800, replicas: int = 0) -> dict:
+    """/health's report once the server answers (with `replicas`, once it lists them all)."""
     import requests
 
     end = time.monotonic() + timeout
@@ -131,14 +182,21 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 1800) -> dict:
         if proc.poll() is not None:
             raise RuntimeError(f"smcspec serve exited with code {proc.returncode}")
         try:
-            return requests.get(url + "/health", timeout=5).json()
-        except requests.ConnectionError:
-            time.sleep(1)
+            r = requests.get(url + "/health", timeout=5)
+            if r.status_code == 200 and len(r.json().get("replicas", [])) >= replicas:
+                return r.json()
+        except requests.RequestException:  # not listening yet, or Ray's proxy still waiting
+            pass
+        time.sleep(1)
     raise RuntimeError("smcspec serve did not come up")
 
 
-def _level(url: str, bodies: list[dict], concurrency: int) -> dict[str, Any]:
-    """All `bodies`, `concurrency` clients at a time; wall clock over the whole level."""
+def _level(url: str, bodies: list[dict], concurrency: int, settle: bool = False) -> dict[str, Any]:
+    """All `bodies`, `concurrency` clients at a time; wall clock over the whole level.
+    `settle` (replicas): /metrics holds the other replicas' counters as of their last push, so
+    the scrapes wait for one more push round (outside the timed wall clock)."""
+    if settle:
+        time.sleep(2 * PUSH_S)
     before = _scrape(url)
     pending = list(reversed(bodies))
     lock = threading.Lock()
@@ -161,6 +219,8 @@ def _level(url: str, bodies: list[dict], concurrency: int) -> dict[str, Any]:
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
+    if settle:
+        time.sleep(2 * PUSH_S)
     after = _scrape(url)
     tokens = sum(r["tokens"] for r in done)
     prompt_tokens = sum(r["prompt_tokens"] for r in done)
@@ -247,7 +307,14 @@ def _scrape(url: str) -> dict[str, float]:
         "draft_seconds": "smcspec:forward_seconds_total" + draft,
     }
     values = parse_metrics(requests.get(url + "/metrics", timeout=30).text)
-    return {key: values.get(name, 0.0) for key, name in wanted.items()}
+    summed: dict[str, float] = {}
+    for name, value in values.items():  # replicas' samples summed over their `replica` label
+        plain = _REPLICA_LABEL.sub("", name)
+        summed[plain] = summed.get(plain, 0.0) + value
+    return {key: summed.get(name, 0.0) for key, name in wanted.items()}
+
+
+_REPLICA_LABEL = re.compile(r',replica="[^"]*"|replica="[^"]*",?')
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -261,36 +328,50 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 def report(path: str | Path) -> str:
-    """Markdown table of serve.jsonl: one row per (method, concurrency)."""
+    """Markdown table of serve.jsonl: one row per (server, method, concurrency), and the
+    round trip of an empty request per server."""
     head = header(path)
-    rows = measurements(path)
+    records = measurements(path)
+    rows = [r for r in records if "method" in r]
+    trips = [r for r in records if "roundtrip_ms_median" in r]
     plan = head.get("plan", {})
     models = head.get("models", {})
+    ray = any(r.get("replicas") for r in records)
+    servers = (
+        "one `smcspec serve` process or its replicas on Ray Serve"
+        if ray
+        else ("one `smcspec serve` process")
+    )
     lines = [
         "# smcspec serve under concurrent clients",
         "",
         f"Machine: {one_line(head['machine'])}." if "machine" in head else "Machine: ?",
         "",
         f"Models: target {models.get('target', '?')}, draft {models.get('draft', '?')}; "
-        f"one `smcspec serve` process; {plan.get('requests')} chat "
+        f"{servers}; {plan.get('requests')} chat "
         f"requests ({head.get('prompts', '?')}), {plan.get('max_tokens')} new tokens each (EOS "
         f"ignored), T={plan.get('temperature')}, streamed; C clients at a time. Concurrency 1 "
         "is the same requests served one at a time. x = tokens/s over the method's own "
-        "concurrency-1 row. prompt tok/s: prompt tokens prefilled per second of the level. "
-        "in passes: share of the wall time spent inside batched forward passes (the rest is "
-        "per-request sampling, scheduling and HTTP).",
+        "concurrency-1 row on the same server. prompt tok/s: prompt tokens prefilled per second "
+        "of the level. in passes: share of the wall time spent inside batched forward passes "
+        "(the rest is per-request sampling, scheduling and HTTP; summed over replicas).",
         "",
-        "| method | C | req/s | tok/s | x | prompt tok/s | latency mean / p95 (s) "
+        "| server | method | C | req/s | tok/s | x | prompt tok/s | latency mean / p95 (s) "
         "| TTFT mean / median (s) | target rows/pass | in passes | acceptance | ESS/N "
         "| resamples/req |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    base = {r["method"]: r["tokens_per_second"] for r in rows if r["concurrency"] == 1}
+    base = {
+        (r.get("replicas", 0), r["method"]): r["tokens_per_second"]
+        for r in rows
+        if r["concurrency"] == 1
+    }
     for r in rows:
-        one = base.get(r["method"])
+        one = base.get((r.get("replicas", 0), r["method"]))
         speedup = r["tokens_per_second"] / one if one else None
         lines.append(
-            f"| {r['method']} | {r['concurrency']} | {_fmt(r['requests_per_second'])} "
+            f"| {_server(r.get('replicas', 0))} | {r['method']} | {r['concurrency']} "
+            f"| {_fmt(r['requests_per_second'])} "
             f"| {_fmt(r['tokens_per_second'])} | {_fmt(speedup)} "
             f"| {_fmt(r['prompt_tokens'] / r['seconds'])} "
             f"| {_fmt(r['latency_mean'])} / {_fmt(r['latency_p95'])} "
@@ -299,4 +380,22 @@ def report(path: str | Path) -> str:
             f"| {_fmt(r['acceptance'])} "
             f"| {_fmt(r['ess_fraction'])} | {_fmt(r['resamples'])} |"
         )
+    if trips:
+        lines += [
+            "",
+            "Round trip of a request that does no work (`GET /v1/models`, 200 in a row on one "
+            "connection): what the HTTP path adds to every request.",
+            "",
+            "| server | median (ms) | p95 (ms) |",
+            "|---|---|---|",
+        ]
+        for t in trips:
+            lines.append(
+                f"| {_server(t['replicas'])} | {_fmt(t['roundtrip_ms_median'])} "
+                f"| {_fmt(t['roundtrip_ms_p95'])} |"
+            )
     return "\n".join(lines) + "\n"
+
+
+def _server(replicas: int) -> str:
+    return "1 process" if not replicas else f"Ray, {replicas} replica{'s' * (replicas > 1)}"

@@ -19,7 +19,7 @@ import asyncio
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -39,6 +39,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from smcspec.engine import LLM, GenerationResult
 from smcspec.engine.scheduler import Cancelled
 from smcspec.server import tools
+from smcspec.server.cluster import ReplicaView
 from smcspec.server.guard import Guard
 from smcspec.server.logprobs import logprobs_view, prompt_logprobs_view
 from smcspec.server.runtime import (
@@ -178,12 +179,22 @@ def _health(server: Server, llm: LLM, defaults: ServeDefaults) -> dict[str, Any]
     }
 
 
-def create_app(llm: LLM, defaults: ServeDefaults) -> FastAPI:
+def create_app(
+    llm: LLM, defaults: ServeDefaults, replica: Callable[[Server], ReplicaView] | None = None
+) -> FastAPI:
+    """The OpenAI app over one engine. `replica`, when the engine is one of several replicas
+    (`server.ray_app`), makes the view through which /health lists every replica and /metrics
+    serves all their metrics, each labelled `replica`."""
     server = Server(llm, defaults)
+    view = None if replica is None else replica(server)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if view is not None:
+            view.start()
         yield
+        if view is not None:
+            view.stop()
         server.shutdown()
 
     app = FastAPI(title="smcspec", version="0.1.0", lifespan=lifespan)
@@ -205,11 +216,14 @@ def create_app(llm: LLM, defaults: ServeDefaults) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         report = _health(server, llm, defaults)
+        if view is not None:
+            report.update(await run_in_threadpool(view.health))
         return JSONResponse(report, status_code=200 if report["scheduler_alive"] else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        text = server.metrics.render() if view is None else await run_in_threadpool(view.render)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict:

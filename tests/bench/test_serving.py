@@ -1,5 +1,9 @@
 """`smcspec bench serve` end to end on the tiny pair: every level measured, batching visible."""
 
+import dataclasses
+
+import pytest
+
 from smcspec.bench.results import measurements
 from smcspec.bench.serving import ServePlan, run_serve_bench
 
@@ -12,7 +16,8 @@ def test_serve_bench_measures_every_level_and_resumes(
     serve_args += ["--dtype", "float32"]
     prompts = ["w1 w2", "w3 w4 w5", "w6"]
     table = run_serve_bench(plan, serve_args, tmp_path, prompts)
-    rows = measurements(tmp_path / "serve.jsonl")
+    records = measurements(tmp_path / "serve.jsonl")
+    rows = [r for r in records if "method" in r]
     assert [(r["method"], r["concurrency"]) for r in rows] == [
         ("ar", 1),
         ("ar", 3),
@@ -26,7 +31,28 @@ def test_serve_bench_measures_every_level_and_resumes(
     ar1, ar3 = rows[0], rows[1]
     assert ar1["rows_per_target_pass"] < ar3["rows_per_target_pass"]
     assert rows[2]["ess_fraction"] is not None and rows[2]["acceptance"] is None
-    assert table.count("\n| ") == 5  # header row + 4 levels
+    assert table.count("\n| ") == 7  # header row + 4 levels, round trip header + 1 server
     assert (tmp_path / "serve.md").read_text() == table
     again = run_serve_bench(plan, serve_args, tmp_path, prompts)  # all done: nothing reruns
-    assert again == table and len(measurements(tmp_path / "serve.jsonl")) == 4
+    assert again == table and measurements(tmp_path / "serve.jsonl") == records
+
+
+@pytest.mark.xdist_group("ray")
+def test_serve_bench_measures_replicas_on_ray_beside_one_process(
+    tmp_path, tiny_llama_folder, tiny_llama_draft_folder
+):
+    pytest.importorskip("ray.serve")
+    plan = ServePlan(methods=("sd K=4",), concurrency=(1, 2), requests=2, max_tokens=4)
+    plan = dataclasses.replace(plan, replicas=(0, 2))
+    serve_args = ["--target", str(tiny_llama_folder), "--draft", str(tiny_llama_draft_folder)]
+    serve_args += ["--dtype", "float32"]
+    table = run_serve_bench(plan, serve_args, tmp_path, ["w1 w2", "w3"])
+    records = measurements(tmp_path / "serve.jsonl")
+    rows = [(r["replicas"], r["concurrency"]) for r in records if "method" in r]
+    assert rows == [(0, 1), (0, 2), (2, 1), (2, 2)]
+    for r in records:
+        if "method" in r:  # the passes were read from /metrics, summed over the replicas
+            assert r["target_passes"] > 0 and 0 < r["forward_share"] <= 1
+        else:
+            assert 0 < r["roundtrip_ms_median"] <= r["roundtrip_ms_p95"]
+    assert "| Ray, 2 replicas | sd K=4 | 2 |" in table and "| 1 process | sd K=4 | 1 |" in table

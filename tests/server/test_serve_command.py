@@ -1,5 +1,6 @@
 """`smcspec serve` as a user starts it: a subprocess on a free port, then the openai client."""
 
+import importlib.util
 import json
 import signal
 import subprocess
@@ -12,6 +13,7 @@ import requests
 from openai import OpenAI
 
 from smcspec.bench.serving import free_port, wait_ready
+from smcspec.cli import main
 
 
 def test_serve_command_answers_the_openai_client(tiny_llama_folder, tiny_llama_draft_folder):
@@ -62,6 +64,13 @@ def test_serve_command_answers_the_openai_client(tiny_llama_folder, tiny_llama_d
         ("--temperature", "-1", "temperature"),
         ("--max-running", "0", "max_running"),
         ("--max-batch-tokens", "0", "max_batch_tokens"),
+        ("--replicas", "0", "--replicas"),
+        ("--autoscale", "3:1", "--autoscale"),
+        ("--autoscale", "two", "--autoscale"),
+        ("--replica-cpus", "0", "--replica-cpus"),
+        ("--replica-gpus", "-1", "--replica-gpus"),
+        ("--ray-address", "nowhere", "--ray-address"),
+        ("--target-ongoing", "4", "--autoscale"),
     ],
 )
 def test_serve_rejects_bad_settings_before_loading_anything(flag, value, named):
@@ -182,3 +191,38 @@ def test_sigterm_cancels_running_requests_after_the_grace_period(
     assert status == 503 and "shutting down" in json.loads(text)["error"]["message"], text
     errors = [e["error"]["message"] for e in outcomes["stream"] if "error" in e]
     assert errors and all("shutting down" in e for e in errors), outcomes["stream"][-3:]
+
+
+def test_serve_names_an_unreachable_ray_cluster_in_one_line_before_loading_anything():
+    pytest.importorskip("ray")
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    started = time.monotonic()
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "smcspec",
+            "serve",
+            "--ray-address",
+            address,
+            "--target",
+            "/nonexistent",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1 and time.monotonic() - started < 30
+    refused = f"--ray-address {address}: no Ray cluster answers there (Connection refused)"
+    assert out.stderr.strip().splitlines() == [f"smcspec: error: {refused}"]
+
+
+def test_replicas_without_ray_installed_say_how_to_get_it(monkeypatch, capsys):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a)
+    )
+    assert main(["serve", "--replicas", "2", "--target", "/nonexistent"]) == 1
+    assert capsys.readouterr().err == (
+        "smcspec: error: replicas run on Ray Serve: pip install 'smcspec[ray]'\n"
+    )

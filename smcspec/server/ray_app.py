@@ -1,0 +1,225 @@
+"""The server as replicas on Ray Serve (`smcspec serve --replicas N`, `pip install smcspec[ray]`).
+
+Each replica is one Ray actor holding one engine (target + draft, its continuous-batching
+scheduler) behind the same OpenAI app as the single-process server (`create_app`); Ray's proxy
+routes every request to the replica with the shortest queue, restarts a replica whose process
+dies or whose scheduler thread has stopped (`check_health`), and adds or removes replicas under
+`--autoscale`. /health and /metrics on any replica cover all of them (`server.cluster`); every
+response names the replica that made it in the `x-smcspec-replica` header.
+
+Ray is imported only here, and only when replicas are asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from smcspec.server.cluster import (
+    Hub,
+    ReplicaOptions,
+    ReplicaView,
+    deployment_options,
+)
+from smcspec.server.runtime import ServeDefaults
+
+APP_NAME = "smcspec"
+NAMESPACE = "smcspec"
+HUB_NAME = "smcspec-metrics-hub"
+REPLICA_HEADER = "x-smcspec-replica"
+HUB_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """What every replica builds: the `LLM`'s keyword arguments, the server's defaults, and the
+    number of threads torch computes on."""
+
+    llm: dict[str, Any]
+    defaults: ServeDefaults
+    threads: int = 1
+
+
+class ReplicaHeader:
+    """Names the replica on every response (pure ASGI), and keeps the replica's `Server` at
+    hand for Ray's health check."""
+
+    def __init__(self, app: ASGIApp, replica: str) -> None:
+        self.app, self.replica = app, replica
+        self.server = app.state.server
+        self._header = (REPLICA_HEADER.encode(), replica.encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def named(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self._header]}
+            await send(message)
+
+        await self.app(scope, receive, named)
+
+
+class ReplicaBase:
+    """The deployment class; Ray wraps it around the app `build_replica_app` returns."""
+
+    def check_health(self) -> None:
+        """Ray calls this every few seconds; raising makes Ray replace the replica."""
+        if not self.app.server.scheduler.alive:  # type: ignore[attr-defined]
+            raise RuntimeError("the replica's scheduler thread has stopped")
+
+
+def build_replica_app(spec: ReplicaSpec) -> ReplicaHeader:
+    """Runs in the replica's process, when Ray starts it: the engine and its app."""
+    import torch
+
+    from smcspec.engine import LLM
+    from smcspec.server.app import create_app
+
+    torch.set_num_threads(spec.threads)
+    replica = _replica_id()
+    send, fetch = _hub_calls()
+    llm = LLM(**spec.llm)
+    app = create_app(
+        llm, spec.defaults, replica=lambda server: ReplicaView(replica, server, send, fetch)
+    )
+    return ReplicaHeader(app, replica)
+
+
+def application(spec: ReplicaSpec, options: ReplicaOptions):
+    """The Ray Serve application (`serve.run` it) of `options`' replicas, each built from
+    `spec`."""
+    from ray import serve
+
+    def build() -> ReplicaHeader:
+        return build_replica_app(spec)
+
+    d = spec.defaults
+    chosen = deployment_options(options, d.max_running, d.shutdown_timeout)
+    replica_class = serve.ingress(build)(ReplicaBase)
+    return serve.deployment(replica_class, name=APP_NAME, **chosen).bind()
+
+
+def start_hub():
+    """The named actor the replicas push to. Ray removes it when the caller's handle goes (it
+    is not detached): keep the handle for as long as the app runs."""
+    import ray
+
+    actor = ray.remote(num_cpus=0)(Hub)
+    return actor.options(name=HUB_NAME, namespace=NAMESPACE).remote()
+
+
+def _hub_calls():
+    """(send, fetch) against the hub, or (None, None) when none runs (an app deployed without
+    `start_hub`: each replica then reports only itself)."""
+    import ray
+
+    try:
+        hub = ray.get_actor(HUB_NAME, namespace=NAMESPACE)
+    except ValueError:
+        return None, None
+
+    def send(replica: str, seq: int, snapshot: dict, families: list) -> None:
+        ray.get(hub.push.remote(replica, seq, snapshot, families), timeout=HUB_TIMEOUT_S)
+
+    def fetch() -> dict:
+        return ray.get(hub.entries.remote(), timeout=HUB_TIMEOUT_S)
+
+    return send, fetch
+
+
+def _replica_id() -> str:
+    from ray import serve
+
+    context = serve.get_replica_context()
+    found = getattr(getattr(context, "replica_id", None), "unique_id", None)
+    return str(found or context.replica_tag)
+
+
+def serve_replicas(spec: ReplicaSpec, options: ReplicaOptions, host: str, port: int) -> None:
+    """`smcspec serve` with replicas: start (or join) Ray, run the app on host:port, and serve
+    until SIGINT or SIGTERM; then remove the app (and stop Ray if this process started it)."""
+    import ray
+    from ray import serve
+
+    local = options.address is None  # the caller has probed a given address (check_reachable)
+    extra = {"include_dashboard": False} if local else {}
+    try:
+        ray.init(
+            # "local": a new instance, never one that `ray start` left running (this process
+            # shuts its instance down at exit, which must not hit somebody else's).
+            address="local" if local else options.address,
+            namespace=NAMESPACE,
+            logging_level=logging.WARNING,
+            log_to_driver=False,
+            **extra,
+        )
+    except ConnectionError as e:
+        raise RuntimeError(f"--ray-address {options.address}: {e}") from None
+    try:
+        _check_fits(options, local)
+        hub = start_hub()  # noqa: F841 (held: the hub lives as long as this handle)
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(application(spec, options), name=APP_NAME, route_prefix="/")
+        count = options.autoscale or options.initial_replicas
+        print(
+            f"smcspec: serving {spec.defaults.model_name!r} on {count} replica(s) (Ray Serve) at "
+            f"http://{host}:{port}/v1",
+            file=sys.stderr,
+        )
+        _wait_for_stop()
+    finally:
+        _stop(local)
+
+
+def _check_fits(options: ReplicaOptions, local: bool) -> None:
+    """The first replicas must fit the cluster's CPUs and GPUs, or Ray would wait for them
+    forever: an error on a cluster this process started, a warning on a joined one (its
+    autoscaler may add nodes)."""
+    import ray
+
+    have = ray.cluster_resources()
+    n = options.initial_replicas
+    for what, each in (("CPU", options.replica_cpus), ("GPU", options.replica_gpus)):
+        if each and n * each > have.get(what, 0.0):
+            message = (
+                f"{n} replica(s) x {each:g} {what} need {n * each:g} {what}s; the Ray cluster "
+                f"has {have.get(what, 0.0):g} (see --replica-cpus / --replica-gpus)"
+            )
+            if local:
+                raise ValueError(message)
+            print(f"smcspec: warning: {message}", file=sys.stderr)
+
+
+def _wait_for_stop() -> None:
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        while True:
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        print("smcspec: stopping the replicas", file=sys.stderr)
+    # A second signal must not cut the clean-up short: Ray's processes would outlive this one.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _stop(local: bool) -> None:
+    import ray
+    from ray import serve
+
+    try:
+        serve.delete(APP_NAME)
+        if local:
+            serve.shutdown()
+    finally:
+        ray.shutdown()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -162,6 +163,12 @@ def _add_serve(bsub) -> None:
     srv.add_argument("--requests", type=int, default=16, help="requests per level")
     srv.add_argument("--max-tokens", type=int, default=32, help="new tokens per request")
     srv.add_argument("--temperature", type=float, default=T_DEFAULT, help="sampling temperature")
+    srv.add_argument(
+        "--replicas",
+        default="0",
+        help="servers to measure, comma-separated: 0 is one process, n >= 1 is n replicas on "
+        "Ray Serve sharing the machine's cores (e.g. 0,1,2)",
+    )
     srv.add_argument("--out", default="bench-results", help="folder for the results")
     add_model_options(srv)
 
@@ -341,7 +348,10 @@ def _serve(args: argparse.Namespace) -> int:
         requests=args.requests,
         max_tokens=args.max_tokens,
         temperature=args.temperature,
+        replicas=tuple(parse_ints(args.replicas, "--replicas")),
     )
+    if any(plan.replicas) and importlib.util.find_spec("ray") is None:
+        raise RuntimeError("--replicas runs Ray Serve: pip install 'smcspec[ray]'")
     serve_args = ["--dtype", args.dtype, "--device", args.device, "--backend", args.backend]
     for flag, value in (("--target", args.target), ("--draft", args.draft)):
         if value is not None:

@@ -163,11 +163,13 @@ def serve_replicas(spec: ReplicaSpec, options: ReplicaOptions, host: str, port: 
         )
     except ConnectionError as e:
         raise RuntimeError(f"--ray-address {options.address}: {e}") from None
+    serving = False  # whether Serve runs on the cluster: only then is there an app to remove
     try:
         _check_fits(options, local)
         hub = start_hub()  # noqa: F841 (held: the hub lives as long as this handle)
         serve.start(http_options={"host": host, "port": port})
-        serve.run(application(spec, options), name=APP_NAME, route_prefix="/")
+        serving = True
+        _run_app(spec, options)
         count = options.autoscale or options.initial_replicas
         print(
             f"smcspec: serving {spec.defaults.model_name!r} on {count} replica(s) (Ray Serve) at "
@@ -176,7 +178,22 @@ def serve_replicas(spec: ReplicaSpec, options: ReplicaOptions, host: str, port: 
         )
         _wait_for_stop()
     finally:
-        _stop(local)
+        _stop(local, serving)
+
+
+def _run_app(spec: ReplicaSpec, options: ReplicaOptions) -> None:
+    """Deploy the replicas and wait until they serve; a replica that cannot start (a model
+    that fails to load, say) is a one-line error that points at Ray's logs."""
+    from ray import serve
+
+    try:
+        serve.run(application(spec, options), name=APP_NAME, route_prefix="/")
+    except Exception as e:  # Ray's message holds the replica's whole traceback
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RuntimeError(
+            f"the replicas did not start ({first}); their logs are in Ray's session folder "
+            "(/tmp/ray/session_latest/logs on each node)"
+        ) from None
 
 
 def _check_fits(options: ReplicaOptions, local: bool) -> None:
@@ -213,13 +230,14 @@ def _wait_for_stop() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _stop(local: bool) -> None:
+def _stop(local: bool, serving: bool) -> None:
     import ray
     from ray import serve
 
     try:
-        serve.delete(APP_NAME)
-        if local:
-            serve.shutdown()
+        if serving:
+            serve.delete(APP_NAME)
+            if local:
+                serve.shutdown()
     finally:
         ray.shutdown()

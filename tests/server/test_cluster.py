@@ -151,3 +151,32 @@ def test_addresses_and_autoscale_ranges_parse():
     assert parse_autoscale("1:4") == (1, 4)
     with pytest.raises(ValueError, match="MIN:MAX"):
         parse_autoscale("4")
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        ReplicaOptions(replicas=2, replica_gpus=1),
+        ReplicaOptions(autoscale=(1, 4), target_ongoing=8),
+    ],
+    ids=["fixed", "autoscale"],
+)
+def test_ray_serve_takes_the_deployment_options_as_meant(options):
+    """Ray ignores unknown autoscaling keys silently: every key must be one of its fields."""
+    serve = pytest.importorskip("ray.serve")
+    from ray.serve.config import AutoscalingConfig
+
+    chosen = deployment_options(options, 64, 5.0)
+
+    class Stub:
+        pass
+
+    deployment = serve.deployment(Stub, name="smcspec", **chosen)
+    assert deployment.max_ongoing_requests == 64
+    assert deployment.ray_actor_options == {"num_cpus": 1.0, "num_gpus": options.replica_gpus}
+    fields = getattr(AutoscalingConfig, "model_fields", None) or AutoscalingConfig.__fields__
+    if options.autoscale is None:
+        assert deployment.num_replicas == 2
+    else:
+        assert set(chosen["autoscaling_config"]) <= set(fields)
+        assert AutoscalingConfig(**chosen["autoscaling_config"]).max_replicas == 4

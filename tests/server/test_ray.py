@@ -45,9 +45,8 @@ class Replicas:
         return requests.get(self.url + "/health", timeout=10).json()
 
     def live(self) -> dict[str, dict]:
-        """Replica id -> its snapshot, for those heard from within a push or two."""
-        rows = self.health().get("replicas", [])
-        return {r["replica"]: r for r in rows if r["age_s"] < 2.5}
+        """Replica id -> its snapshot (the hub drops a replica silent for STALE_S seconds)."""
+        return {r["replica"]: r for r in self.health().get("replicas", [])}
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +194,7 @@ def test_a_replica_killed_under_load_fails_only_its_requests_and_is_replaced(rep
         return len(live) == 2 and victim not in live and survivor in live
 
     assert until(replaced, 60), replicas.health()
-    assert until(lambda: _idle(replicas.live()[survivor]), 10), replicas.live()[survivor]
+    assert until(lambda: _idle(replicas.live().get(survivor)), 10), replicas.health()
     text = replicas.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=5)
     assert text.choices[0].text.strip()
 
@@ -204,5 +203,10 @@ def _running(replicas: Replicas, replica: str) -> bool:
     return replicas.live().get(replica, {}).get("running", 0) > 0
 
 
-def _idle(row: dict) -> bool:
-    return row["running"] == 0 and row["queued"] == 0 and row["kv_pages_in_use"] == 0
+def _idle(row: dict | None) -> bool:
+    return (
+        row is not None
+        and row["running"] == 0
+        and row["queued"] == 0
+        and row["kv_pages_in_use"] == 0
+    )

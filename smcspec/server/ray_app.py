@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -164,13 +165,15 @@ def serve_replicas(spec: ReplicaSpec, options: ReplicaOptions, host: str, port: 
     except ConnectionError as e:
         raise RuntimeError(f"--ray-address {options.address}: {e}") from None
     serving = False  # whether Serve runs on the cluster: only then is there an app to remove
+    _stop_on_sigterm()  # from here on, as Ctrl-C: through the clean-up below
     try:
         _check_fits(options, local)
         hub = start_hub()  # noqa: F841 (held: the hub lives as long as this handle)
         serve.start(http_options={"host": host, "port": port})
         serving = True
         _run_app(spec, options)
-        count = options.autoscale or options.initial_replicas
+        low, high = options.autoscale or (options.initial_replicas,) * 2
+        count = str(low) if low == high else f"{low} to {high}"
         print(
             f"smcspec: serving {spec.defaults.model_name!r} on {count} replica(s) (Ray Serve) at "
             f"http://{host}:{port}/v1",
@@ -178,7 +181,10 @@ def serve_replicas(spec: ReplicaSpec, options: ReplicaOptions, host: str, port: 
         )
         _wait_for_stop()
     finally:
-        _stop(local, serving)
+        # A second signal must not cut the clean-up short: Ray's processes would outlive us.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _stop(local, serving, spec.defaults.shutdown_timeout)
 
 
 def _run_app(spec: ReplicaSpec, options: ReplicaOptions) -> None:
@@ -215,29 +221,48 @@ def _check_fits(options: ReplicaOptions, local: bool) -> None:
             print(f"smcspec: warning: {message}", file=sys.stderr)
 
 
-def _wait_for_stop() -> None:
+def _stop_on_sigterm() -> None:
     def stop(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
+
+
+def _wait_for_stop() -> None:
     try:
         while True:
             time.sleep(1.0)
     except KeyboardInterrupt:
         print("smcspec: stopping the replicas", file=sys.stderr)
-    # A second signal must not cut the clean-up short: Ray's processes would outlive this one.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _stop(local: bool, serving: bool) -> None:
+def _stop(local: bool, serving: bool, grace_s: float) -> None:
+    """Remove the app (its replicas get `grace_s` to finish), then Serve and Ray if this
+    process started them. Each step is bounded: a SIGTERM sent to the whole process group
+    (`timeout`, systemd) also kills Ray's own daemons, and then Serve would wait forever."""
     import ray
     from ray import serve
 
     try:
         if serving:
-            serve.delete(APP_NAME)
+            _bounded(lambda: serve.delete(APP_NAME), grace_s + 15.0, "removing the app")
             if local:
-                serve.shutdown()
+                _bounded(serve.shutdown, 15.0, "stopping Serve")
     finally:
         ray.shutdown()
+
+
+def _bounded(step: Any, seconds: float, what: str) -> None:
+    """Run `step` for at most `seconds` (in a daemon thread: a step stuck on a dead Ray daemon
+    cannot hold the process)."""
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            step()
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"smcspec-{what}", daemon=True).start()
+    if not done.wait(seconds):
+        print(f"smcspec: {what} took over {seconds:g} s; going on", file=sys.stderr)

@@ -414,8 +414,15 @@ def _replica_options(args: argparse.Namespace):
     a model loads), else None: the single-process server."""
     from smcspec.server.cluster import ReplicaOptions, parse_autoscale
 
-    given = (args.replicas, args.autoscale, args.target_ongoing, args.ray_address)
-    if all(v is None for v in (*given, args.replica_cpus, args.replica_gpus)):
+    flags = (
+        "replicas",
+        "autoscale",
+        "target_ongoing",
+        "replica_cpus",
+        "replica_gpus",
+        "ray_address",
+    )
+    if all(getattr(args, flag) is None for flag in flags):
         return None
     options = ReplicaOptions(
         replicas=args.replicas,
@@ -431,14 +438,11 @@ def _replica_options(args: argparse.Namespace):
 
 
 def _serve_replicas(args: argparse.Namespace, defaults, options) -> int:
-    import importlib.util
-
     from smcspec.engine.loading import display_name, resolve_specs
+    from smcspec.server.cluster import check_reachable, require_ray
     from smcspec.server.runtime import public_name
 
-    if importlib.util.find_spec("ray") is None:
-        raise RuntimeError("replicas run on Ray Serve: pip install 'smcspec[ray]'")
-    from smcspec.server.cluster import check_reachable
+    require_ray()
     from smcspec.server.ray_app import ReplicaSpec, serve_replicas
 
     if options.address is not None:

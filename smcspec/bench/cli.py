@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -341,6 +340,7 @@ def _gpu_plan(device: str, dtype: str):
 
 def _serve(args: argparse.Namespace) -> int:
     from smcspec.bench.serving import ServePlan, run_serve_bench
+    from smcspec.server.cluster import require_ray
 
     plan = ServePlan(
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
@@ -350,8 +350,8 @@ def _serve(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         replicas=tuple(parse_ints(args.replicas, "--replicas")),
     )
-    if any(plan.replicas) and importlib.util.find_spec("ray") is None:
-        raise RuntimeError("--replicas runs Ray Serve: pip install 'smcspec[ray]'")
+    if any(plan.replicas):
+        require_ray()
     serve_args = ["--dtype", args.dtype, "--device", args.device, "--backend", args.backend]
     for flag, value in (("--target", args.target), ("--draft", args.draft)):
         if value is not None:

@@ -90,10 +90,10 @@ def _measure_server(
 ) -> None:
     """Every (method, concurrency) of one server: one process, or `replicas` on Ray."""
     suffix = "" if replicas == 0 else f"|{replicas} replicas"
-    todo = [(m, c) for m in plan.methods for c in plan.concurrency]
-    done = ResultLog.existing(out / "serve.jsonl")
-    if all(f"{m}|{c}{suffix}" in done for m, c in todo) and f"roundtrip{suffix}" in done:
-        return
+    keys = {(m, c): f"{m}|{c}{suffix}" for m in plan.methods for c in plan.concurrency}
+    trip = f"roundtrip{suffix}"
+    if {*keys.values(), trip} <= ResultLog.existing(out / "serve.jsonl"):
+        return  # all measured: no server to start
     port = free_port()
     args = [*serve_args, "--max-running", str(max(plan.concurrency))]
     if replicas:  # the machine's cores shared out, so that n replicas compute on all of them
@@ -113,12 +113,12 @@ def _measure_server(
                 "prompts": source,
             },
         )
-        if not log.has(f"roundtrip{suffix}"):
-            log.add(f"roundtrip{suffix}", {"replicas": replicas, **_round_trip(url)})
+        if not log.has(trip):
+            log.add(trip, {"replicas": replicas, **_round_trip(url)})
         for label in plan.methods:
             _one(url, {**bodies[0], **METHODS[label]})  # warm-up, not counted
             for c in plan.concurrency:
-                key = f"{label}|{c}{suffix}"
+                key = keys[(label, c)]
                 if log.has(key):
                     continue
                 extra = METHODS[label]

@@ -11,6 +11,7 @@ hub is any object with `push` and `entries` (a Ray actor in `ray_app`, a plain o
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 import os
@@ -72,6 +73,13 @@ class ReplicaOptions:
     def torch_threads(self) -> int:
         """A replica computes on as many threads as it reserved CPUs (at least one)."""
         return max(1, int(self.replica_cpus))
+
+
+def require_ray() -> None:
+    """A RuntimeError saying how to install Ray when it is missing (checked before anything
+    starts: the replica mode of `serve` and of `bench serve`)."""
+    if importlib.util.find_spec("ray") is None:
+        raise RuntimeError("replicas run on Ray Serve: pip install 'smcspec[ray]'")
 
 
 def parse_autoscale(text: str) -> tuple[int, int]:

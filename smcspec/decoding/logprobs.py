@@ -18,7 +18,7 @@ from smcspec import sampling
 
 if TYPE_CHECKING:
     from smcspec.config import SamplingConfig
-    from smcspec.models.base import CausalLM
+    from smcspec.models.base import CausalLM, KVCache
 
 
 @dataclass
@@ -60,23 +60,89 @@ def to_host(chosen: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> To
     return TokenLogprobs(chosen.cpu().tolist(), top)
 
 
+SCORE_BYTES = 64 * 2**20
+"""The float32 logits prompt scoring holds at once: `score_chunk` positions a forward pass, 1,024
+at a 16k vocabulary and 110 at Qwen's 152k (one pass over a 4,000-token prompt would hold 262 MB
+and 2.4 GB of them, and the law makes a few copies)."""
+
+
+def score_chunk(model: CausalLM) -> int:
+    """Positions `score_prompt` feeds a forward pass: as many as keep their logits [C, V] within
+    SCORE_BYTES, and no more than one pass of the scheduler carries when `model` is its view
+    (`pass_tokens`), so a scored prompt runs through chunked prefill like any other prompt."""
+    chunk = max(1, SCORE_BYTES // (4 * model.vocab_size))
+    return min(chunk, getattr(model, "pass_tokens", chunk))
+
+
 def score_prompt(
-    model: CausalLM, prompt: list[int], cfg: SamplingConfig, top: int
+    model: CausalLM, prompt: list[int], cfg: SamplingConfig, top: int, chunk: int | None = None
 ) -> TokenLogprobs:
-    """Every prompt token after the first under the target's law given the tokens before it
-    (one forward pass over the prompt); the first has none (NaN, and no alternatives)."""
+    """Every prompt token after the first under the target's law given the tokens before it;
+    the first has none (NaN, and no alternatives). The prompt is fed `chunk` positions a pass
+    (default `score_chunk`), each block scored before the next is asked for, so at most
+    chunk x V logits live at once whatever the prompt's length. The same numbers as
+    `score_prompt_whole` up to the model's rounding over a different split of the positions
+    (bit-identical where logits depend only on the prefix, as a toy model's)."""
+    if chunk is not None and chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
     if len(prompt) < 2:
         return TokenLogprobs([math.nan], [[]])
-    ids = torch.tensor([prompt])
+    chunk = score_chunk(model) if chunk is None else chunk
+    ids = torch.tensor([prompt])  # [1, L]
+    parts = [TokenLogprobs([math.nan], [[]])]
     cache = model.new_cache()
     try:
-        logits = model.forward(ids, cache, len(prompt))[:, :-1]  # [1, L - 1, V]
+        # the last token predicts nothing in the prompt: positions 0 .. L - 2 are fed
+        for start in range(0, len(prompt) - 1, chunk):
+            end = min(start + chunk, len(prompt) - 1)
+            parts.append(_score_fed(model, cache, ids, start, end, cfg, top))
     finally:
         cache.release()
-    # position j follows prompt[: j + 1]; nothing of it counts as generated text
-    law = sampling.law(logits, cfg, cfg.temperature, [ids[:, :-1]], len(prompt))[0]
-    scored = to_host(*score(law, ids[0, 1:].to(law.device), top))
-    return TokenLogprobs([math.nan, *scored.chosen], [[], *scored.top])
+    return TokenLogprobs.join(parts)
+
+
+def score_prompt_whole(
+    model: CausalLM, prompt: list[int], cfg: SamplingConfig, top: int
+) -> TokenLogprobs:
+    """`score_prompt` in one forward pass over the prompt, [L - 1, V] logits at once: the
+    reference the chunked path is tested against."""
+    if len(prompt) < 2:
+        return TokenLogprobs([math.nan], [[]])
+    ids = torch.tensor([prompt])  # [1, L]
+    cache = model.new_cache()
+    try:
+        logits = model.forward(ids[:, :-1], cache, len(prompt) - 1)  # [1, L - 1, V]
+    finally:
+        cache.release()
+    return TokenLogprobs.join(
+        [TokenLogprobs([math.nan], [[]]), _score_block(logits, ids, 0, cfg, top)]
+    )
+
+
+def _score_fed(
+    model: CausalLM,
+    cache: KVCache,
+    ids: torch.Tensor,
+    start: int,
+    end: int,
+    cfg: SamplingConfig,
+    top: int,
+) -> TokenLogprobs:
+    """Positions start .. end - 1 fed to `cache` (which holds the ones before) and scored. A
+    function of its own so that its logits are freed before the next block's pass."""
+    logits = model.forward(ids[:, start:end], cache, end - start)  # [1, P, V]
+    return _score_block(logits, ids, start, cfg, top)
+
+
+def _score_block(
+    logits: torch.Tensor, ids: torch.Tensor, start: int, cfg: SamplingConfig, top: int
+) -> TokenLogprobs:
+    """Prompt tokens start + 1 .. start + P scored by the logits [1, P, V] of the positions
+    before them; ids [1, L] is the whole prompt."""
+    end = start + logits.shape[1]
+    # position j follows prompt[: j + 1]; nothing of the prompt counts as generated text
+    law = sampling.law(logits, cfg, cfg.temperature, [ids[:, :end]], ids.shape[1])[0]  # [P, V]
+    return to_host(*score(law, ids[0, start + 1 : end + 1].to(law.device), top))
 
 
 class ParticleLogprobs:

@@ -337,6 +337,8 @@ class LLM:
         out = self._package(result, request, text)
         top = request.sampling.prompt_logprobs
         if top is not None:
+            # After the decoder let go of its caches: one row of the prompt's length, within the
+            # pages a scheduler reserved for the job, fed in blocks no larger than its passes.
             out.prompt_logprobs = score_prompt(target, request.prompt_ids, request.sampling, top)
         return out
 

@@ -93,6 +93,10 @@ class _View:
         self.vocab_size = model.vocab_size
         self.eos_token_ids = model.eos_token_ids
         self.new_cache = model.new_cache
+        # A call that wants the logits of every position it feeds cannot be split into pieces;
+        # a caller that asks for them over a long input (prompt scoring) keeps to this many
+        # tokens a call, so the pass bounds its logits and it shares passes like any prompt.
+        self.pass_tokens = scheduler.max_batch_tokens
         self._scheduler, self._index, self._job = scheduler, index, job
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, num_logits: int) -> torch.Tensor:

@@ -4,9 +4,20 @@ The cache holds every linear layer of the native model as quantized (`layers.Int
 int8 matrix `<name>.q` [out, in] and its per-channel scales `<name>.scale` [out] (the norms and
 embeddings stay in the source, which is read lazily). It is a safetensors file, written layer
 by layer, next to the source weights (or, where that folder is read-only, under the smcspec
-cache), with a stamp naming the source files (size, modification time, SHA-256) and the cache
-format. A stamp that does not match the source, or a format from another version, means the
-cache is rebuilt.
+cache), with a stamp naming the cache format and, for each source file, its name, size,
+modification time, inode, change time and SHA-256.
+
+When the cache is trusted: hashing the source at every load would cost seconds per GB, so a
+load reads only the files' metadata, and hashes only when the metadata cannot decide.
+
+- Another format, or a source file's name, size or modification time differs: the source has
+  changed; the cache is rebuilt, without reading the source.
+- All of those match but the inode or the change time differs: the file may have been replaced
+  in place by one of the same size and modification time (`cp -p`, `touch -r`, an archive
+  extracted again; each of these sets the change time, which no user call can set back), or
+  only moved, copied or `chmod`ed. The SHA-256 decides: the same bytes keep the cache (and the
+  stamp takes the new metadata, so the hash runs once), other bytes rebuild it.
+- Everything matches: the cache is read, with nothing hashed.
 
 Cold (no cache): the float weights are read tensor by tensor and quantized layer by layer, so at
 most one layer's float copy is held beside the int8 ones; the cache is then written. Warm: the
@@ -15,6 +26,7 @@ int8 tensors are read one linear at a time and packed.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -29,9 +41,12 @@ import torch
 from smcspec.models import defaults
 
 FORMAT = 1  # bump when the cached tensors' meaning changes
+FOLDER_CACHE = "smcspec-int8"  # a folder's cache: <folder>/smcspec-int8.{safetensors,json}
 _DTYPES = {torch.int8: "I8", torch.float32: "F32"}
 # (name, dtype, shape, a function that makes the tensor when it is written)
 Entry = tuple[str, torch.dtype, tuple[int, ...], Callable[[], torch.Tensor]]
+_CHANGED = ("name", "size", "mtime_ns")  # a difference here: the source changed
+_REPLACED = ("inode", "ctime_ns")  # a difference here: maybe replaced; the SHA-256 decides
 
 
 class LazyWeights:
@@ -65,17 +80,22 @@ class LazyWeights:
 
 
 def source_files(spec: Path) -> list[Path]:
-    """The files a model is read from: a folder's *.safetensors, or a .gguf file."""
-    return [spec] if spec.suffix == ".gguf" else sorted(spec.glob("*.safetensors"))
+    """The files a model is read from: a folder's *.safetensors but the cache beside them, or a
+    .gguf file. (The cache once counted as a source of itself: its stamp named it, and every
+    build hashed it.)"""
+    if spec.suffix == ".gguf":
+        return [spec]
+    return [f for f in sorted(spec.glob("*.safetensors")) if f.stem != FOLDER_CACHE]
 
 
 def stamp(files: list[Path], with_digest: bool) -> dict:
-    """What identifies the source: each file's name, size and modification time, and (when
-    building) its SHA-256, with the cache format."""
+    """What identifies the source: each file's name, size, modification time, inode and change
+    time, and (`with_digest`) its SHA-256, with the cache format."""
     entries = []
     for f in files:
         st = f.stat()
         entry = {"name": f.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        entry |= {"inode": st.st_ino, "ctime_ns": st.st_ctime_ns}
         if with_digest:
             entry["sha256"] = _sha256(f)
         entries.append(entry)
@@ -90,18 +110,31 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _same(saved: dict, now: dict) -> bool:
-    def key(s: dict) -> list:
-        return [(e["name"], e["size"], e["mtime_ns"]) for e in s.get("files", [])]
+def _valid(saved: dict, files: list[Path]) -> dict | None:
+    """The stamp under which a cache made with stamp `saved` holds for the source `files`, or
+    None when it does not (the module docstring says when the SHA-256 is read)."""
+    now = stamp(files, with_digest=False)
+    if saved.get("format") != now["format"] or _fields(saved, _CHANGED) != _fields(now, _CHANGED):
+        return None
+    if _fields(saved, _REPLACED) == _fields(now, _REPLACED):
+        return saved
+    digests = [e.get("sha256") for e in saved["files"]]
+    if digests != [_sha256(f) for f in files]:
+        return None
+    for entry, digest in zip(now["files"], digests, strict=True):
+        entry["sha256"] = digest
+    return now
 
-    return saved.get("format") == now["format"] and key(saved) == key(now)
+
+def _fields(s: dict, names: tuple[str, ...]) -> list[tuple]:
+    return [tuple(e.get(n) for n in names) for e in s.get("files", [])]
 
 
 def location(spec: Path, cache_root: Path | None = None) -> Path:
     """Where the cache of `spec` lives: beside it when that folder is writable, else under
     `cache_root` (default: $SMCSPEC_CACHE or ~/.cache/smcspec) in int8/<hash of its path>."""
     folder = spec.parent if spec.suffix == ".gguf" else spec
-    name = f"{spec.stem}.int8" if spec.suffix == ".gguf" else "smcspec-int8"
+    name = f"{spec.stem}.int8" if spec.suffix == ".gguf" else FOLDER_CACHE
     if os.access(folder, os.W_OK):
         return folder / name
     key = hashlib.sha256(str(spec.resolve()).encode()).hexdigest()[:16]
@@ -118,8 +151,15 @@ def load(spec: Path, cache_root: Path | None = None) -> LazyWeights | None:
         saved = json.loads(stamp_file.read_text())
     except ValueError:
         return None
-    if not _same(saved, stamp(source_files(spec), with_digest=False)):
+    if not isinstance(saved, dict):
         return None
+    valid = _valid(saved, source_files(spec))
+    if valid is None:
+        return None
+    if valid is not saved:
+        # so that the next load need not hash again; if the folder is read-only, it will
+        with contextlib.suppress(OSError):
+            _write_stamp(stamp_file, valid)
     return LazyWeights([tensors])
 
 
@@ -138,11 +178,20 @@ def save(spec: Path, tensors: list[Entry], cache_root: Path | None = None) -> Pa
             os.replace(partial, target)
         finally:
             partial.unlink(missing_ok=True)
-        now = stamp(source_files(spec), with_digest=True)
-        where.with_suffix(".json").write_text(json.dumps(now, indent=1))
+        _write_stamp(where.with_suffix(".json"), stamp(source_files(spec), with_digest=True))
     except OSError:
         return None
     return target
+
+
+def _write_stamp(path: Path, value: dict) -> None:
+    """Replace the stamp whole: a load never reads half of one (a refresh races other loads)."""
+    partial = path.with_name(f"{path.name}.partial-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        partial.write_text(json.dumps(value, indent=1))
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def _write(path: Path, entries: list[Entry]) -> None:

@@ -1,6 +1,7 @@
 """The int8 cache: a model is quantized once; later loads read the int8 weights back and give
 the very same logits; a changed source or a half-written cache is never trusted."""
 
+import json
 import os
 import shutil
 
@@ -59,12 +60,86 @@ def test_weights_are_quantized_from_the_source_not_the_cache(folder):
 
 def test_a_changed_source_rebuilds_the_cache(folder):
     LlamaModel.from_folder(folder, "int8")
-    source = next(folder.glob("*.safetensors"))
+    source = folder / "model.safetensors"
     stat = source.stat()
     os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     assert int8_cache.load(folder) is None  # the stamp no longer matches
     LlamaModel.from_folder(folder, "int8")
     assert int8_cache.load(folder) is not None
+
+
+@pytest.fixture
+def hashed(monkeypatch) -> list[str]:
+    """The source files the cache reads whole (to take their SHA-256), from now on."""
+    seen = []
+    real = int8_cache._sha256
+
+    def spy(path):
+        seen.append(path.name)
+        return real(path)
+
+    monkeypatch.setattr(int8_cache, "_sha256", spy)
+    return seen
+
+
+def test_a_size_change_that_keeps_the_mtime_rebuilds_without_hashing(folder, hashed):
+    LlamaModel.from_folder(folder, "int8")
+    source = folder / "model.safetensors"
+    before = source.stat()
+    with open(source, "ab") as f:
+        f.write(bytes(8))
+    os.utime(source, ns=(before.st_atime_ns, before.st_mtime_ns))
+    hashed.clear()
+    assert int8_cache.load(folder) is None
+    assert hashed == [], "a size change is decided from the metadata alone"
+
+
+def test_a_cache_of_another_format_is_rebuilt(folder):
+    LlamaModel.from_folder(folder, "int8")
+    stamp_file = folder / "smcspec-int8.json"
+    saved = json.loads(stamp_file.read_text())
+    for version in (int8_cache.FORMAT - 1, int8_cache.FORMAT + 1):
+        stamp_file.write_text(json.dumps({**saved, "format": version}))
+        assert int8_cache.load(folder) is None, version
+
+
+def test_a_same_size_replacement_with_the_same_mtime_is_found_by_its_sha256(
+    folder, tmp_path, hashed
+):
+    """`cp -p` of other weights of the same shapes and modification time: only the change time
+    tells, and the SHA-256 then shows other bytes."""
+    LlamaModel.from_folder(folder, "int8")
+    source = folder / "model.safetensors"
+    other = tmp_path / "other"
+    save_tiny_model(other, seed=4, arch="llama")
+    replacement = other / "model.safetensors"
+    before = source.stat()
+    assert replacement.stat().st_size == before.st_size
+    os.utime(replacement, ns=(before.st_atime_ns, before.st_mtime_ns))
+    shutil.copy2(replacement, source)  # cp -p
+    after = source.stat()
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    assert after.st_ctime_ns != before.st_ctime_ns
+    hashed.clear()
+    assert int8_cache.load(folder) is None
+    assert hashed == [source.name]
+    replaced = LlamaModel.from_folder(folder, "int8")
+    assert torch.equal(logits(replaced), logits(LlamaModel.from_folder(other, "int8")))
+
+
+def test_the_same_bytes_in_a_new_file_keep_the_cache_and_are_hashed_once(folder, hashed):
+    cold = LlamaModel.from_folder(folder, "int8")
+    source = folder / "model.safetensors"
+    hashed.clear()
+    assert int8_cache.load(folder) is not None
+    assert hashed == [], "a warm load reads no source file whole"
+    copy = folder / "copy"
+    shutil.copy2(source, copy)
+    os.replace(copy, source)  # a new inode: the bytes, size and mtime are the same
+    assert int8_cache.load(folder) is not None
+    assert int8_cache.load(folder) is not None
+    assert hashed == [source.name], "the stamp takes the new inode after one hash"
+    assert torch.equal(logits(LlamaModel.from_folder(folder, "int8")), logits(cold))
 
 
 def test_a_cache_without_its_stamp_is_ignored(folder):

@@ -13,6 +13,9 @@ Bug -> what it does wrong -> the test that rejects it:
 - adjust_with_stale_context: a verify pass's positions penalized for the text before the round,
   forgetting the drafts they follow -> sd chi-square, smc unnormalized measure
 - adjust_counting_the_prompt: presence / frequency counted over the prompt too -> ar chi-square
+- ancestors_ignoring_weights: resampling draws ancestors from equal weights -> smc unnormalized
+  measure with resampling between rounds, every scheme
+- resample_keeping_weights: the copies keep their ancestor's weight -> the same test
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from __future__ import annotations
 import torch
 
 from smcspec import sampling
+from smcspec.decoding import particles
+from smcspec.decoding.population import Population
 from smcspec.decoding.smc import SMCDecoder
 from smcspec.decoding.smc_guide import PotentialGuide
 from smcspec.decoding.speculative import SpeculativeDecoder
@@ -133,3 +138,29 @@ def adjust_counting_the_prompt(logits, tokens, prompt_len, cfg):
     """`sampling.adjust` with the prompt's tokens counted by the presence and frequency
     penalties (OpenAI's count the generated text only)."""
     return _adjust(logits, tokens, 0, cfg)
+
+
+_resample = particles.resample
+
+
+def ancestors_ignoring_weights(
+    log_w: torch.Tensor, scheme: str, generator: torch.Generator
+) -> torch.Tensor:
+    """`particles.resample` from equal weights, as when the weights are reset before the
+    ancestors are drawn from them. Multinomial then draws uniform ancestors; the low-variance
+    schemes give every particle one copy, so the particles stay put while their weights are
+    wiped. Z-hat still takes the right mean weight, so E[Z-hat] = 1 holds: only the measure
+    E[Z-hat m] shows the bias."""
+    return _resample(torch.zeros_like(log_w), scheme, generator)
+
+
+_population_resample = Population.resample
+
+
+def resample_keeping_weights(pop: Population, ancestors: torch.Tensor) -> None:
+    """`Population.resample` whose copies keep their ancestor's weight instead of the uniform
+    reset: a heavy particle counts twice, in its copies and in their weights, and Z-hat takes
+    the same weights again at the next resampling or at the end."""
+    log_w = pop.log_w[ancestors]
+    _population_resample(pop, ancestors)
+    pop.log_w = log_w

@@ -9,6 +9,9 @@ the returned sequence, and Z-hat. Three exact facts are tested:
 - E[Z-hat m] = p at any N (SMC's unnormalized measure is unbiased; the target is normalized);
 - E[m] -> p as N grows: L1 bias O(N^-1/2), MSE of a weighted mean O(N^-1) (the paper's rates).
 
+At the default threshold 0.5 these runs hardly ever resample between the two rounds, so the first
+two facts are also checked at threshold 1, where most runs do, under every resampling scheme.
+
 Every test has a power check against a broken sampler from tests/decoding/broken.py.
 """
 
@@ -22,7 +25,9 @@ import torch
 
 from smcspec import sampling
 from smcspec.config import SamplingConfig, SMCConfig
-from smcspec.decoding import SMCDecoder
+from smcspec.decoding import SMCDecoder, particles
+from smcspec.decoding.base import SMCStats
+from smcspec.decoding.population import Population
 from smcspec.models.toy import ToyLM, perturbed_lm, random_lm, sequence_law
 from tests.decoding import broken
 from tests.decoding.broken import (
@@ -72,6 +77,7 @@ class Runs:
     lengths: np.ndarray  # [R] weighted mean length: the estimate of E_p[length]
     z_hat: np.ndarray  # [R]
     returned: Counter  # outcome -> times returned
+    resampled_between_rounds: np.ndarray  # [R] bool: particles resampled before the last round
 
     def mean_measure(self) -> np.ndarray:
         return self.measures.mean(axis=0)
@@ -90,7 +96,13 @@ def decode_runs(
     index = {x: i for i, x in enumerate(law)}
     g = torch.Generator().manual_seed(seed)
     dec = decoder_cls(target, draft, smc)
-    out = Runs(np.zeros((runs, len(index))), np.zeros(runs), np.zeros(runs), Counter())
+    out = Runs(
+        np.zeros((runs, len(index))),
+        np.zeros(runs),
+        np.zeros(runs),
+        Counter(),
+        np.zeros(runs, dtype=bool),
+    )
     for r in range(runs):
         result = dec.decode(PROMPT, cfg, g)
         for tokens, w in zip(result.particles, result.stats.weights, strict=True):
@@ -100,7 +112,15 @@ def decode_runs(
             out.lengths[r] += w * len(tokens)
         out.z_hat[r] = math.exp(result.stats.log_z_hat)
         out.returned[tuple(result.tokens)] += 1
+        out.resampled_between_rounds[r] = resampled_between_rounds(result.stats, smc)
     return out
+
+
+def resampled_between_rounds(stats: SMCStats, smc: SMCConfig) -> bool:
+    """Whether a resampling came before the last round (whose copies the next round extends),
+    not only after it: the decoder resamples after each round whose ESS is below threshold * N."""
+    after_last = stats.ess[-1] < smc.resample_threshold * smc.particles
+    return stats.resamples > after_last
 
 
 def runs_over(decoder_cls, pair, law, ns) -> dict[int, Runs]:
@@ -270,41 +290,31 @@ PENALIZED = SamplingConfig(
     frequency_penalty=0.4,
     logit_bias={1: 1.5},
 )
-# name: (sampling settings, draft from the target, SMC settings); each runs at N = 4.
+# name: (sampling settings, draft from the target); each runs at N = 4.
 SETTINGS = {
-    "top-k": (SamplingConfig(1.0, top_k=2, max_new_tokens=6), lambda t: scaled(t, 0.6), None),
-    "top-p": (SamplingConfig(1.0, top_p=0.8, max_new_tokens=6), lambda t: scaled(t, 0.6), None),
+    "top-k": (SamplingConfig(1.0, top_k=2, max_new_tokens=6), lambda t: scaled(t, 0.6)),
+    "top-p": (SamplingConfig(1.0, top_p=0.8, max_new_tokens=6), lambda t: scaled(t, 0.6)),
     "draft temperature": (
         SamplingConfig(1.0, draft_temperature=1.6, max_new_tokens=6),
         lambda t: perturbed_lm(t, seed=23, noise=0.7),
-        None,
     ),
     "ignore eos": (
         SamplingConfig(1.0, max_new_tokens=5, stop_at_eos=False),
         lambda t: perturbed_lm(t, seed=24, noise=1.0),
-        None,
     ),
-    "penalties and bias": (
-        PENALIZED,
-        lambda t: perturbed_lm(t, seed=26, noise=1.0),
-        None,
-    ),
+    "penalties and bias": (PENALIZED, lambda t: perturbed_lm(t, seed=26, noise=1.0)),
     # a flatter draft: its min-p set holds the target's
-    "min-p": (SamplingConfig(1.0, max_new_tokens=6, min_p=0.3), lambda t: scaled(t, 0.6), None),
-    **{
-        f"{scheme} resampling": (CFG, lambda t: perturbed_lm(t, seed=25, noise=1.0), scheme)
-        for scheme in ("systematic", "multinomial", "stratified", "residual")
-    },
+    "min-p": (SamplingConfig(1.0, max_new_tokens=6, min_p=0.3), lambda t: scaled(t, 0.6)),
 }
 
 
 def settings_runs(decoder_cls, pair, name: str, seed: int) -> tuple[Runs, dict]:
-    cfg, make_draft, scheme = SETTINGS[name]
+    cfg, make_draft = SETTINGS[name]
     target = pair[0]
-    # threshold 1: resample whenever the weights are not all equal, so every scheme is used
-    smc = SMCConfig(4, 2, 1.0, scheme) if scheme else SMCConfig(4, 2)
     law = sequence_law(target, PROMPT, cfg)
-    runs = decode_runs(decoder_cls, target, make_draft(target), smc, law, seed, cfg, SMALL_R)
+    runs = decode_runs(
+        decoder_cls, target, make_draft(target), SMCConfig(4, 2), law, seed, cfg, SMALL_R
+    )
     return runs, law
 
 
@@ -335,10 +345,44 @@ def test_power_weights_at_the_wrong_draft_temperature_are_caught(pair):
     assert unnormalized_measure_pvalue(runs, law) < ALPHA
 
 
-@pytest.mark.parametrize("scheme", ["systematic", "multinomial", "stratified", "residual"])
+def resampling_runs(decoder_cls, pair, law: dict, scheme: str) -> Runs:
+    """Threshold 1 resamples whenever the weights differ; with `pair`'s draft they differ after
+    the first round in 72-82% of runs, by scheme (at threshold 0.5, in none of 300)."""
+    target, draft = pair
+    smc = SMCConfig(4, 2, 1.0, scheme)
+    return decode_runs(decoder_cls, target, draft, smc, law, seed=62, runs=SMALL_R)
+
+
+@pytest.mark.parametrize("scheme", list(particles.SCHEMES))
+def test_smc_is_right_when_resampling_between_rounds(pair, law, scheme):
+    """E[Z-hat m] = p and the answer drawn by weight, with the second round extending resampled
+    copies in most runs. Ancestors drawn without the weights, or weights kept after resampling,
+    bias the measure (the first leaves E[Z-hat] = 1)."""
+    runs = resampling_runs(SMCDecoder, pair, law, scheme)
+    share = runs.resampled_between_rounds.mean()
+    print(f"{scheme}: resampled between rounds in {share:.0%} of runs")
+    assert share > 0.5  # else a change has quietly stopped this test resampling between rounds
+    assert unnormalized_measure_pvalue(runs, law) > ALPHA
+    assert returned_follows_weights(runs, law) > ALPHA
+
+
+@pytest.mark.parametrize("scheme", list(particles.SCHEMES))
+def test_power_ancestors_that_ignore_the_weights_are_caught(pair, law, scheme, monkeypatch):
+    monkeypatch.setattr(particles, "resample", broken.ancestors_ignoring_weights)
+    runs = resampling_runs(SMCDecoder, pair, law, scheme)
+    assert unnormalized_measure_pvalue(runs, law) < ALPHA
+
+
+def test_power_weights_kept_after_resampling_are_caught(pair, law, monkeypatch):
+    monkeypatch.setattr(Population, "resample", broken.resample_keeping_weights)
+    runs = resampling_runs(SMCDecoder, pair, law, "systematic")
+    assert unnormalized_measure_pvalue(runs, law) < ALPHA
+
+
+@pytest.mark.parametrize("scheme", list(particles.SCHEMES))
 def test_normalizing_constant_estimate_is_unbiased(pair, law, scheme, threshold=0.5):
     """The target is normalized, so E[Z-hat] = 1. 4 standard errors: false alarm < 1e-4.
-    (At threshold 1 each scheme is under the stronger E[Z-hat m] = p test above.)"""
+    It cannot see which particles resampling keeps; the measure test above does."""
     target, draft = pair
     runs = decode_runs(SMCDecoder, target, draft, SMCConfig(4, 2, threshold, scheme), law, seed=7)
     se = runs.z_hat.std() / math.sqrt(R)

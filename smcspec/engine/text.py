@@ -34,23 +34,34 @@ def check_stops(stop: str | Sequence[str] | None) -> tuple[str, ...]:
 
 
 def first_stop(text: str, stops: Sequence[str]) -> int | None:
-    """Index where the earliest stop string begins in `text`, or None."""
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None
+    """Index where the stop string completed first begins (of those completed by the same
+    character, the longest), or None. First to complete, not to begin: the place a stream cuts
+    at once it holds a stop, however its text arrived in pieces."""
+    ends = [(i + len(s), -len(s)) for s in stops if (i := text.find(s)) >= 0]
+    if not ends:
+        return None
+    end, minus_len = min(ends)
+    return end + minus_len
+
+
+def complete(text: str) -> str:
+    """`text` without its trailing U+FFFD: each may be a multi-byte character whose last bytes
+    have not come yet, so only the text before them is final. (Bytes that stay invalid decode
+    as U+FFFD too; they are told apart once more text follows, or at the end.)"""
+    return text.rstrip("\ufffd")
 
 
 def held_back(text: str, stops: Sequence[str]) -> int:
-    """How many trailing characters to withhold while more text may follow: a possible start of
-    a stop string, and an unfinished multi-byte character (decoded as U+FFFD)."""
+    """How many trailing characters to withhold while more text may follow: an unfinished
+    multi-byte character (decoded as U+FFFD), and before it a possible start of a stop string."""
+    done = complete(text)
     hold = 0
     for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), 0, -1):
-            if text.endswith(stop[:k]):
+        for k in range(min(len(stop) - 1, len(done)), 0, -1):
+            if done.endswith(stop[:k]):
                 hold = max(hold, k)
                 break
-    while hold < len(text) and text[len(text) - hold - 1] == "\ufffd":
-        hold += 1
-    return hold
+    return len(text) - len(done) + hold
 
 
 class _Window:
@@ -79,8 +90,9 @@ class _Window:
 class TextStream:
     """Turns growing token lists (tokens that can no longer change) into text deltas.
 
-    `update(tokens)` returns the new text that is safe to send; once a stop string shows up the
-    text is cut just before it and `stopped` turns True. `finish(tokens)` sends the rest. Text
+    `update(tokens)` returns the new text that is safe to send; once a stop string shows up in
+    complete characters (an unfinished one's U+FFFD never matches) the text is cut just before
+    it and `stopped` turns True. `finish(tokens)` sends the rest. Text
     already sent is never taken back. Each call decodes the tokens added since the last one
     plus the previous call's (bounded work, however long the output).
     """
@@ -115,7 +127,7 @@ class TextStream:
             return ""
         tail = self._window.tail(tokens)
         unsent = self._unsent(tail)
-        cut = first_stop(unsent, self.stops)
+        cut = first_stop(unsent if final else complete(unsent), self.stops)
         if cut is not None:
             self.stopped = True
             self.tokens_used = self._tokens_to_stop(tokens)
@@ -145,7 +157,8 @@ class TextStream:
         lo, hi = self._window.read + 1, len(tokens)
         while lo < hi:
             mid = (lo + hi) // 2
-            if first_stop(self._unsent(self._window.tail(tokens, mid)), self.stops) is None:
+            unsent = self._unsent(self._window.tail(tokens, mid))
+            if first_stop(complete(unsent), self.stops) is None:
                 lo = mid + 1
             else:
                 hi = mid

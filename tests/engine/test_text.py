@@ -109,10 +109,11 @@ def long_outputs(tokenizer, sentence: str, ids: Sequence[int]) -> dict[str, list
 
 
 def fewest_tokens_holding(tokenizer, tokens: list[int], stop: str) -> int:
+    """Before the last token a trailing U+FFFD may be an unfinished character: it holds no stop."""
     lo, hi = 1, len(tokens)
     while lo < hi:
         mid = (lo + hi) // 2
-        if stop in tokenizer.decode(tokens[:mid], skip_special_tokens=True):
+        if stop in tokenizer.decode(tokens[:mid], skip_special_tokens=True).rstrip("\ufffd"):
             hi = mid
         else:
             lo = mid + 1

@@ -95,13 +95,13 @@ def check_stream(pieces: list[bytes], stops: list[str], steps: list[int]) -> Tex
     full = b"".join(pieces).decode("utf-8", errors="replace")
     whole = TextStream(ByteChunks(pieces), stops)
     whole.finish(list(range(len(pieces))))
-    assert whole.sent == cut_at_first_stop(full, stops)
+    assert whole.sent == cut_at_first_stop(full, stops), (pieces, stops)
 
     stream = TextStream(ByteChunks(pieces), stops)
     for n, sent in stream_in_steps(stream, len(pieces), steps):
-        assert settled_text(b"".join(pieces[:n])).startswith(sent), (n, sent)
-    assert stream.sent == cut_at_first_stop(full, stops)
-    assert stream.stopped == any(s in full for s in stops)
+        assert settled_text(b"".join(pieces[:n])).startswith(sent), (pieces, stops, steps, n)
+    assert stream.sent == cut_at_first_stop(full, stops), (pieces, stops, steps)
+    assert stream.stopped == any(s in full for s in stops), (pieces, stops, steps)
     return stream
 
 
@@ -113,7 +113,8 @@ def test_stops_match_complete_characters_split_at_any_byte(output):
     if "\ufffd" not in b"".join(pieces).decode():
         # A U+FFFD that ends the text so far might be a character's first bytes, so one typed
         # by the model (EF BF BD) waits for the next token before it can end a stop string.
-        assert stream.tokens_used == fewest_tokens_settling_a_stop(pieces, stops)
+        fewest = fewest_tokens_settling_a_stop(pieces, stops)
+        assert stream.tokens_used == fewest, (pieces, stops, steps)
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)

@@ -40,7 +40,7 @@ class FlatLM:
 def test_the_logits_held_at_once_are_bounded_whatever_the_prompt_length(length):
     """At a 16k vocabulary one pass over 3,000 tokens is 197 MB of float32 logits (and the law's
     copies of them); scoring holds at most SCORE_BYTES of logits at a time, the same for both
-    lengths, and still scores every token."""
+    lengths, and still scores every token. One pass over the prompt fails it."""
     model = FlatLM(16_384)
     prompt = [(7 * t) % 16_384 for t in range(length)]
     scores = score_prompt(model, prompt, PLAIN, top=1)
@@ -52,6 +52,8 @@ def test_the_logits_held_at_once_are_bounded_whatever_the_prompt_length(length):
 
 
 def test_the_chunk_keeps_its_logits_under_the_byte_bound():
+    """As many positions as fit the bound in float32 logits: a bound read as one byte a logit
+    holds four times too many."""
     for vocab in (64, 16_384, 151_936, SCORE_BYTES // 4, 4 * SCORE_BYTES):
         chunk = score_chunk(FlatLM(vocab))
         assert chunk >= 1
@@ -73,6 +75,8 @@ def oracle(target, prompt: list[int], cfg: SamplingConfig) -> tuple[list[float],
 
 @pytest.mark.parametrize("cfg", [PENALISED, PLAIN], ids=["penalised", "plain"])
 def test_chunked_scores_are_bit_identical_to_one_pass_and_match_the_oracle(cfg):
+    """A block whose law sees only its own tokens, not the blocks before it, differs under
+    penalties; a block fed to a fresh cache differs everywhere."""
     target = random_lm(8, seed=5, scale=2.0)
     prompt = [3, 1, 4, 1, 5, 2, 6, 5, 3, 5, 7, 2, 7, 1]
     whole = score_prompt_whole(target, prompt, cfg, TOP)
@@ -89,7 +93,7 @@ def test_chunked_scores_are_bit_identical_to_one_pass_and_match_the_oracle(cfg):
 def test_a_native_model_scores_in_chunks_as_in_one_pass(tiny_llama_folder):
     """On a real (tiny) transformer the chunks run through the KV cache: attention over a
     different split of the same positions, equal to one pass within float32 rounding (1e-5 on
-    log-probabilities of order 1)."""
+    log-probabilities of order 1). Its cache's pages all come back."""
     from smcspec import LLM
 
     folder = str(tiny_llama_folder)

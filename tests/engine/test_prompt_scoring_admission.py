@@ -28,7 +28,8 @@ def recording(monkeypatch, model) -> list[tuple[int, int]]:
 
 def test_a_scored_prompt_runs_in_blocks_no_larger_than_a_pass(monkeypatch):
     """With room for 4 tokens a pass, a 30-token prompt is scored 4 positions at a time (one
-    pass of 29 tokens and 29 x V logits before), with the scores it gets alone."""
+    pass of 29 tokens and 29 x V logits before, as when the chunk ignores the view's
+    `pass_tokens`), with the scores it gets alone."""
     target = random_lm(10, seed=3, scale=2.0)
     llm = LLM.from_models(target, perturbed_lm(target, seed=4, noise=1.0))
     settings = dict(method="ar", seed=0, max_new_tokens=2, prompt_logprobs=2, top_k=5)

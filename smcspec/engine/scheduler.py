@@ -166,8 +166,11 @@ class Scheduler:
 
     def pages_for(self, rows: Sequence[int], max_length: int) -> list[int]:
         """The most pages a job can hold with rows[m] sequences of up to `max_length` positions
-        in model m's pool: a page per page_size positions per row, plus one per row for the
-        copy-on-write of a shared last page (prefix sharing only makes the need smaller)."""
+        in model m's pool: a page per page_size positions per row (a shared last page is copied
+        only while another row still holds it, so the copies never outnumber the rows; prefix
+        sharing only makes the need smaller), plus one spare page per row: measured peaks never
+        use it (tests/engine/test_admission.py), but a page missing mid-decode fails a running
+        job, where a spare one only delays admission."""
         out = []
         for model, n in zip(self.models, rows, strict=True):
             if not isinstance(model, PagedModel) or n == 0:

@@ -191,7 +191,8 @@ def _penalize(
     if r != 1:
         logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
     if cfg.frequency_penalty != 0 or cfg.presence_penalty != 0:
-        present = (counts > 0).float()
+        # the logits dtype: a float32 mask would round the penalty of a float64 law
+        present = (counts > 0).to(counts.dtype)
         logits = logits - cfg.frequency_penalty * counts - cfg.presence_penalty * present
     return logits
 

@@ -3,18 +3,16 @@
 `ToyLM` turns any function  prefix -> logits [V]  into a `CausalLM`. `random_lm` gives every prefix
 its own reproducible random logits (so the law depends on the whole context), and `perturbed_lm`
 derives a draft from a target by adding prefix-keyed noise: the larger the noise, the farther q is
-from p. `sequence_law` enumerates the exact law of the generated continuation.
+from p. The exact law of a continuation is enumerated in the tests (tests/oracle.py), from the
+definitions rather than from `sampling`.
 """
 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
-
-from smcspec import sampling
-from smcspec.config import SamplingConfig
 
 LogitsFn = Callable[[tuple[int, ...]], torch.Tensor]
 
@@ -100,45 +98,3 @@ def perturbed_lm(base: ToyLM, seed: int, noise: float) -> ToyLM:
         return base.logits(prefix) + noise * eps
 
     return ToyLM(logits_fn, base.vocab_size, set(base.eos_token_ids))
-
-
-def sequence_law(
-    model: ToyLM, prompt: list[int], sampling_cfg: SamplingConfig, temperature: float | None = None
-) -> dict[tuple[int, ...], float]:
-    """Exact probability of every continuation (ending at EOS or at max_new_tokens) under the
-    model's next-token law after logit bias, penalties, temperature, top-k, top-p and min-p
-    (`sampling.law`)."""
-    temp = sampling_cfg.temperature if temperature is None else temperature
-    law: dict[tuple[int, ...], float] = {}
-    for seq, logp in _walk(model, tuple(prompt), (), 0.0, sampling_cfg, temp):
-        law[seq] = law.get(seq, 0.0) + float(torch.tensor(logp).exp())
-    return law
-
-
-def _walk(
-    model: ToyLM,
-    prompt: tuple[int, ...],
-    generated: tuple[int, ...],
-    logp_so_far: float,
-    cfg: SamplingConfig,
-    temperature: float,
-) -> Iterator[tuple[tuple[int, ...], float]]:
-    done = len(generated) == cfg.max_new_tokens or (
-        cfg.stop_at_eos and generated and generated[-1] in model.eos_token_ids
-    )
-    if done:
-        yield generated, logp_so_far
-        return
-    logits = model.logits(prompt + generated).double()[None, None]  # [1, 1, V]
-    context = [torch.tensor([prompt + generated])]
-    logp = sampling.law(logits, cfg, temperature, context, len(prompt))[0, 0]
-    for token in range(model.vocab_size):
-        if logp[token] > float("-inf"):
-            yield from _walk(
-                model,
-                prompt,
-                (*generated, token),
-                logp_so_far + float(logp[token]),
-                cfg,
-                temperature,
-            )

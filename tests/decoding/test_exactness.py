@@ -17,10 +17,10 @@ import torch
 from smcspec import sampling
 from smcspec.config import SamplingConfig, SDConfig
 from smcspec.decoding import AutoregressiveDecoder, SpeculativeDecoder
-from smcspec.models.toy import sequence_law
 from tests.decoding import broken
 from tests.decoding.broken import SDOneUniformPerRound, SDWithoutResidual
 from tests.decoding.conftest import PROMPT
+from tests.oracle import sequence_law
 from tests.stats import ALPHA, chi_square_pvalue
 
 R = 20000

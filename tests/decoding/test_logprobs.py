@@ -8,12 +8,12 @@ import math
 import pytest
 import torch
 
-from smcspec import sampling
 from smcspec.config import SamplingConfig, SDConfig, SMCConfig
 from smcspec.decoding import AutoregressiveDecoder, SMCDecoder, SpeculativeDecoder
 from smcspec.decoding.logprobs import ParticleLogprobs
 from smcspec.models.toy import perturbed_lm, random_lm
 from smcspec.potentials import Power
+from tests.oracle import descending, position_law, token_scores
 
 PROMPT = [1, 2]
 TOP = 3
@@ -46,21 +46,8 @@ def decoders(pair):
     }
 
 
-def exact_scores(target, tokens: list[int], cfg: SamplingConfig):
-    """log p'(x_t | prompt, x_<t) and the law's top ids / values, recomputed token by token."""
-    chosen, top = [], []
-    for t, token in enumerate(tokens):
-        context = torch.tensor([PROMPT + tokens[:t]])
-        logits = target.logits(tuple(context[0].tolist())).double()[None, None]
-        law = sampling.law(logits, cfg, cfg.temperature, [context], len(PROMPT))[0, 0]
-        chosen.append(float(law[token]))
-        values, ids = law.topk(TOP)
-        top.append(list(zip(ids.tolist(), values.tolist(), strict=True)))
-    return chosen, top
-
-
 def assert_scores_match(target, out, cfg: SamplingConfig) -> None:
-    chosen, top = exact_scores(target, out.tokens, cfg)
+    chosen, top = token_scores(target, PROMPT, out.tokens, cfg, TOP)
     assert len(out.logprobs) == len(out.tokens)
     torch.testing.assert_close(torch.tensor(out.logprobs.chosen), torch.tensor(chosen))
     for got, want in zip(out.logprobs.top, top, strict=True):
@@ -134,9 +121,7 @@ def test_prompt_tokens_are_scored_given_the_tokens_before_them(pair):
     scores = out.prompt_logprobs
     assert len(scores) == len(prompt) and math.isnan(scores.chosen[0]) and scores.top[0] == []
     for t in range(1, len(prompt)):
-        context = torch.tensor([prompt[:t]])
-        logits = target.logits(tuple(prompt[:t])).double()[None, None]
-        law = sampling.law(logits, cfg, 1.0, [context], len(prompt))[0, 0]
-        assert scores.chosen[t] == pytest.approx(float(law[prompt[t]]), abs=1e-6)
-        assert [i for i, _ in scores.top[t]] == law.topk(2).indices.tolist()
+        law = position_law(target, prompt[:t], len(prompt), cfg, temperature=1.0)
+        assert scores.chosen[t] == pytest.approx(law[prompt[t]], abs=1e-6)
+        assert [i for i, _ in scores.top[t]] == descending(law)[:2]
     assert out.logprobs is None

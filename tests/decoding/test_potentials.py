@@ -16,9 +16,10 @@ import torch
 
 from smcspec.config import SamplingConfig, SMCConfig
 from smcspec.decoding import AutoregressiveDecoder, SMCDecoder
-from smcspec.models.toy import perturbed_lm, random_lm, sequence_law
+from smcspec.models.toy import perturbed_lm, random_lm
 from smcspec.potentials import Power, Reward, TokenRule
 from tests.decoding.broken import ForgetsBonusNormalizer
+from tests.oracle import sequence_law
 from tests.stats import (
     ALPHA,
     chi_square_pvalue,

@@ -28,7 +28,7 @@ from smcspec.config import SamplingConfig, SMCConfig
 from smcspec.decoding import SMCDecoder, particles
 from smcspec.decoding.base import SMCStats
 from smcspec.decoding.population import Population
-from smcspec.models.toy import ToyLM, perturbed_lm, random_lm, sequence_law
+from smcspec.models.toy import ToyLM, perturbed_lm, random_lm
 from tests.decoding import broken
 from tests.decoding.broken import (
     NoDraftCorrection,
@@ -36,6 +36,7 @@ from tests.decoding.broken import (
     WrongDraftTemperatureWeights,
     WrongWeightSign,
 )
+from tests.oracle import sequence_law
 from tests.stats import (
     ALPHA,
     chi_square_pvalue,

@@ -14,7 +14,7 @@ import torch
 
 from smcspec import LLM, cli
 from smcspec.potentials import Constraint, Power, Reward
-from tests.oracles import byte_pair, factor, next_token_log_probs, record_decoders
+from tests.plumbing import byte_pair, factor, next_token_log_probs, record_decoders
 
 PROMPT = "w1 w2"
 REWARD = f"{__name__}:reward_of_words"

@@ -20,7 +20,7 @@ import torch
 from smcspec import LLM
 from smcspec.models.toy import perturbed_lm, random_lm
 from smcspec.potentials import Constraint, Potential, Power, Product, Reward
-from tests.oracles import byte_pair, factor, record_decoders
+from tests.plumbing import byte_pair, factor, record_decoders
 
 PROMPT = [1, 2]
 # Float32 log-probabilities summed in float64 (~1e-7 rounding a term): log-weights agree to

@@ -6,7 +6,7 @@ oracle is the tokenizer's own decode, not the engine's text code."""
 import pytest
 
 from smcspec import LLM
-from tests.oracles import check_text
+from tests.plumbing import check_text
 
 PROMPT = "w1 w2"
 SETTINGS = {

@@ -15,7 +15,7 @@ import torch
 
 from smcspec.potentials import Constraint, Power
 from smcspec.server.app import ServeDefaults
-from tests.oracles import byte_pair, factor, next_token_log_probs, record_decoders
+from tests.plumbing import byte_pair, factor, next_token_log_probs, record_decoders
 from tests.server.conftest import serve
 
 MODEL = "tiny-bytes"

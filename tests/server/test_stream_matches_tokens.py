@@ -8,7 +8,7 @@ import json
 import pytest
 import requests
 
-from tests.oracles import check_text
+from tests.plumbing import check_text
 from tests.server.conftest import MODEL
 
 SETTINGS = {

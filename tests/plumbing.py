@@ -1,4 +1,4 @@
-"""Oracles the plumbing tests share, none of them calling the code they judge: what reached the
+"""What the plumbing tests share, none of them calling the code they judge: what reached the
 decoder, the text a token list must read as, and a model's next-token law from transformers."""
 
 from __future__ import annotations
@@ -37,9 +37,10 @@ def factor(potential: Potential | None, kind: type) -> Any:
 
 
 def cut_at_stop(text: str, stops: Sequence[str]) -> str:
-    """`text` up to the earliest stop string (all of it without one)."""
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return text[: min(hits)] if hits else text
+    """`text` before the stop string that is completed first (the longest of those completed
+    at the same character), all of it without one."""
+    hits = [(i + len(s), i) for s in stops if (i := text.find(s)) >= 0]
+    return text[: min(hits)[1]] if hits else text
 
 
 def check_text(

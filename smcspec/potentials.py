@@ -8,18 +8,56 @@ A potential speaks through up to four hooks, each optional:
   end and adds the change since the last evaluation, so intermediate values telescope away and
   the target is exactly p(x) exp(log_value(x, final=True));
 - `log_end(state)`: a last factor on a sequence cut at max_new_tokens (0 or -inf for constraints).
-Per-particle state: `start()`, `advance(state, token)`, `copy(state)` (resampling duplicates).
-Potentials combine by product (`Product`, or `a * b`).
+Per-particle state: `start()`, `advance(state, token)`, `copy(state)` (resampling duplicates);
+`error(state)` says why a state allows nothing, when it can.
+Potentials combine by product (`Product`, or `a * b`). A decode whose every sequence ends in a
+dead end raises `ConstraintError` rather than return text that breaks the potentials.
 """
 
 from __future__ import annotations
 
+import ctypes
+import json
 import math
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+# llguidance's limits on one grammar, passed explicitly so that no request can raise them:
+# - max_grammar_size (symbols in the productions; llguidance's default 500k): an object of 5,000
+#   optional properties (OpenAI's own cap on properties) has ~40k and compiles in 2.6 s, one of
+#   10,000 ~80k and 8 s (the time grows as its square; measured on a 2-core Xeon), so the
+#   default allowed minutes of a core per request.
+# - max_lexer_states (default 250k, at 1-2 kB each by llguidance's count): 50k bounds the lexer
+#   near 100 MB; a 5,000-token JSON decode with Qwen2.5's tokenizer needed under 200.
+# - initial_lexer_fuel, step_lexer_fuel: llguidance's defaults, tuned on real JSON schemas. A
+#   regex that exhausts them (a{1000000}) costs about 1 s of CPU and 20-60 MB before the lexer
+#   gives up, which `Constraint` makes happen up front (see `PROBE_TOKENS`).
+GRAMMAR_LIMITS = {
+    "max_grammar_size": 50_000,
+    "max_lexer_states": 50_000,
+    "initial_lexer_fuel": 1_000_000,
+    "step_lexer_fuel": 200_000,
+}
+# Tokens a new constraint is walked before it is accepted: a lexer that runs out of fuel inside
+# a regex does so at the mask after its first token there (a{1000000}: after one "a"); the
+# second token is a margin.
+PROBE_TOKENS = 2
+
+
+class ConstraintError(ValueError):
+    """No output can satisfy the potentials: every sequence reached a dead end (llguidance gave
+    up on the grammar, the sampling settings leave none of the tokens it allows, or a reward
+    raised). A sequence merely cut at max_new_tokens is not one: that ends as "length"."""
+
+
+def grammar_limits() -> Any:
+    """`GRAMMAR_LIMITS` as llguidance takes them."""
+    import llguidance
+
+    return llguidance.LLParserLimits(**GRAMMAR_LIMITS)
 
 
 class Potential:
@@ -44,6 +82,11 @@ class Potential:
 
     def log_end(self, state: Any) -> float:
         return 0.0
+
+    def error(self, state: Any) -> str | None:
+        """Why `allowed(state)` allows nothing, when the potential knows (a matcher that gave
+        up); None otherwise."""
+        return None
 
     def __mul__(self, other: Potential) -> Product:
         return Product([self, other])
@@ -132,6 +175,12 @@ class Constraint(Potential):
     The target is p restricted to the language and renormalized: the exact conditional. Each
     particle carries an llguidance matcher; `allowed` is its token mask (EOS only where the text
     is complete); a sequence cut at max_new_tokens before completion gets weight zero.
+
+    The grammar compiles here, under `GRAMMAR_LIMITS`, and is walked for its first
+    `PROBE_TOKENS` tokens, as is every regex of its JSON schemas (`pattern`, `patternProperties`):
+    one that llguidance already gives up on is a ValueError before any decoding. One it gives up
+    on later kills every particle there (they share its lexer): the decode raises
+    `ConstraintError`.
     """
 
     has_mask = True
@@ -148,9 +197,12 @@ class Constraint(Potential):
 
             self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
         _validate(grammar, self.tokenizer, what)
-        self.grammar, self.vocab_size = grammar, vocab_size
+        self.grammar, self.vocab_size, self.what = grammar, vocab_size, what
         self._bits = torch.arange(32, dtype=torch.int32)
-        self._fresh: Any = None  # a matcher at the start, compiled once: start() copies it
+        # compiled once: start() copies it (a matcher per particle cost ~15 MB per state on a
+        # 2000-branch anyOf schema, issue 12)
+        self._fresh = self._matcher(grammar)
+        self._probe()
 
     @classmethod
     def regex(cls, pattern: str, tokenizer: Any, vocab_size: int) -> Constraint:
@@ -165,12 +217,6 @@ class Constraint(Potential):
         return cls(grammar_of("grammar", text), tokenizer, vocab_size, "grammar")
 
     def start(self) -> Any:
-        """A fresh matcher. Copies share the compiled grammar: compiling per particle cost
-        ~15 MB per state on a 2000-branch anyOf schema (issue 12)."""
-        import llguidance
-
-        if self._fresh is None:
-            self._fresh = llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=0)
         return self._fresh.deep_copy()
 
     def advance(self, state: Any, token: int) -> Any:
@@ -194,6 +240,119 @@ class Constraint(Potential):
     def log_end(self, state: Any) -> float:
         return 0.0 if not state.is_error() and state.is_accepting() else -math.inf
 
+    def error(self, state: Any) -> str | None:
+        if not state.is_error():
+            return None
+        return f"llguidance gave up on the {self.what}: {_first_line(state.get_error())}"
+
+    def _matcher(self, grammar: str) -> Any:
+        import llguidance
+
+        return llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=grammar_limits())
+
+    def _probe(self) -> None:
+        """Refuse the grammar if llguidance gives up within the first tokens of one of its
+        schemas' regexes, or of the grammar itself (a decode would die there). The regexes go
+        first, so that the error names the culprit."""
+        failure = None
+        for pattern in patterns(self.grammar):
+            reason = self._walk_regex(pattern)
+            if reason is not None:
+                shown = repr(pattern) if len(pattern) <= 80 else repr(pattern[:77]) + "..."
+                failure = f"pattern {shown} is too complex, llguidance gives up on it ({reason})"
+                break
+        reason = None if failure is not None else self._walk(self._fresh.deep_copy())
+        if reason is not None:
+            failure = f"too complex, llguidance gives up at its first tokens ({reason})"
+        if failure is not None:
+            self._fresh = None
+            release_heap()  # the lexer that gave up took tens of MB (measured: 30-65)
+            raise ValueError(f"invalid {self.what}: {failure}")
+
+    def _walk_regex(self, pattern: str) -> str | None:
+        """`_walk` of a regex alone; None for one llguidance's regex syntax does not take (the
+        schema compiled, so its JSON compiler took it)."""
+        import llguidance
+
+        grammar = llguidance.LLMatcher.grammar_from_regex(pattern)
+        failed, _ = llguidance.LLMatcher.validate_grammar_with_warnings(
+            grammar, None, limits=grammar_limits()
+        )
+        return None if failed else self._walk(self._matcher(grammar))
+
+    def _walk(self, matcher: Any) -> str | None:
+        """Why llguidance gives up within `PROBE_TOKENS` tokens, each the lowest allowed id but
+        EOS (the same walk for every request), or None."""
+        eos = set(self.tokenizer.eos_tokens)
+        for step in range(PROBE_TOKENS + 1):
+            allowed = self.allowed(matcher)
+            if matcher.is_error():
+                return _first_line(matcher.get_error())
+            ids = [t for t in allowed.nonzero().flatten().tolist() if t not in eos]
+            if not ids or step == PROBE_TOKENS:
+                break
+            matcher.consume_token(ids[0])
+        return None
+
+
+def release_heap() -> None:
+    """glibc keeps freed memory in the arena of the thread that freed it until `malloc_trim`;
+    without it a constrained request's matchers stay in the RSS. A no-op where the C library
+    has no `malloc_trim` (musl, macOS)."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # the process's own symbols
+    if trim is not None:
+        trim(0)
+
+
+def patterns(grammar: str) -> list[str]:
+    """The regexes of the JSON schemas in an llguidance grammar, each once: `pattern` strings
+    and `patternProperties` keys, in a top-level schema or after a Lark grammar's `%json`."""
+    try:
+        top = json.loads(grammar)
+    except ValueError:
+        top = None
+    schemas: list[Any] = []
+    larks: list[str] = []
+    if isinstance(top, dict):
+        for part in top.get("grammars") or []:
+            if isinstance(part, dict):
+                schemas.append(part.get("json_schema"))
+                larks.append(part.get("lark_grammar") or "")
+    else:
+        larks.append(grammar)
+    for lark in larks:
+        schemas.extend(_embedded_schemas(lark))
+    found: dict[str, None] = {}
+    stack = schemas
+    while stack:  # a loop, not recursion: schemas may nest hundreds deep
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            if isinstance(node.get("pattern"), str):
+                found[node["pattern"]] = None
+            if isinstance(node.get("patternProperties"), dict):
+                found.update(dict.fromkeys(node["patternProperties"]))
+            stack.extend(node.values())
+    return list(found)
+
+
+def _embedded_schemas(lark: str) -> list[Any]:
+    """The JSON value after each `%json` of a Lark grammar."""
+    decoder = json.JSONDecoder()
+    out = []
+    for match in re.finditer(r"%json\s*", lark):
+        try:
+            out.append(decoder.raw_decode(lark, match.end())[0])
+        except ValueError:
+            continue
+    return out
+
+
+def _first_line(message: str) -> str:
+    """llguidance's error without the parser state it appends."""
+    return message.strip().splitlines()[0] if message.strip() else "unknown error"
+
 
 _KINDS = {"regex": "regex", "json_schema": "JSON schema", "grammar": "grammar"}
 
@@ -202,8 +361,6 @@ def grammar_of(kind: str, text: str | dict) -> str:
     """The llguidance grammar of a `regex`, a `json_schema` (JSON text or a dict) or a Lark
     `grammar`, compiled and checked without a tokenizer, so a malformed one fails before any
     model loads."""
-    import json
-
     import llguidance
 
     if kind not in _KINDS:
@@ -226,7 +383,9 @@ def grammar_of(kind: str, text: str | dict) -> str:
 def _validate(grammar: str, tokenizer: Any, what: str) -> None:
     import llguidance
 
-    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+        grammar, tokenizer, limits=grammar_limits()
+    )
     if failed:
         message = _one_line(messages[0]) if messages else "rejected"
         if what == "regex":  # the position is in llguidance's wrapper grammar, not the regex
@@ -280,3 +439,7 @@ class Product(Potential):
 
     def log_end(self, state: tuple) -> float:
         return sum(p.log_end(s) for p, s in zip(self.parts, state, strict=True))
+
+    def error(self, state: tuple) -> str | None:
+        errors = (p.error(s) for p, s in zip(self.parts, state, strict=True))
+        return next((e for e in errors if e is not None), None)

@@ -26,7 +26,8 @@ class AutoregressiveDecoder:
     """One token at a time from p, or, with a potential, from the locally shaped law
     p^alpha * mask / norm at each step: local tempering and masking, the naive approach whose
     bias against the sequence-level target SMC removes. A sequence-level reward has no local
-    form, so it is refused here."""
+    form, so it is refused here. A step whose shaped law is empty (a dead end) raises
+    `ConstraintError`."""
 
     def __init__(self, target: CausalLM, potential: Potential | None = None) -> None:
         if potential is not None and potential.has_value:
@@ -45,7 +46,7 @@ class AutoregressiveDecoder:
         clock = StageClock()
         seq = torch.tensor([prompt], dtype=torch.long)  # [1, L]
         guide = Guide(self.potential, 1) if self.potential is not None else None
-        dead_end = stopped = False
+        stopped = False
         scores: list[TokenLogprobs] = []
         with released() as held:
             with clock.stage("prefill"):
@@ -62,8 +63,7 @@ class AutoregressiveDecoder:
                 if guide is not None:  # potentials live on the host
                     logp, norm = guide.shaped([0], logp.cpu())
                     if torch.isneginf(norm).all():
-                        dead_end = True  # the constraint allows nothing from here
-                        break
+                        raise guide.dead_end()
                 token = int(sampling.sample(logp, generator)[0])
                 if sampling_cfg.logprobs is not None:
                     scores.append(self._score(law, token, sampling_cfg.logprobs))
@@ -79,7 +79,7 @@ class AutoregressiveDecoder:
         seconds, split = clock.finish()
         stats = ARStats(stopped)
         if guide is not None:
-            stats.complete = not dead_end and (
+            stats.complete = (
                 bool(new and new[-1] in self.target.eos_token_ids and sampling_cfg.stop_at_eos)
                 or guide.end(0) == 0.0
             )

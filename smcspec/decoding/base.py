@@ -57,7 +57,9 @@ class SMCStats(Stats):
     log_z_hat: float
     chosen_particle: int
     valid_particles: int | None = None  # with a potential: particles of nonzero weight
-    potential_errors: list[str] | None = None  # with a potential: what raised, at most 10
+    # with a potential: why particles died (a reward that raised, a matcher that gave up, a
+    # mask the sampling settings emptied), each reason once, at most 10
+    potential_errors: list[str] | None = None
     _omit_unset = ("valid_particles", "potential_errors")
 
 

@@ -8,19 +8,23 @@ Target: pi(x) = p(x)^alpha * 1[x allowed] * exp(v(x)) / Z, alpha = 1 + potential
 - The sequence factor enters as v(prefix) - v(previous prefix) after every round; at the end
   v(x, final) - v(last prefix), so the intermediate values telescope away.
 - A particle whose mask allows nothing, whose reward raises, or that ends incomplete gets
-  weight zero (log -inf); the other particles carry on.
+  weight zero (log -inf); the other particles carry on. Why each dead end happened is kept in
+  `errors`; a decode all of whose sequences end in one raises `dead_end()`.
 """
 
 from __future__ import annotations
 
-import ctypes
 from typing import Any
 
 import torch
 
-from smcspec.potentials import Potential
+from smcspec.potentials import ConstraintError, Potential, release_heap
 
 NEG_INF = float("-inf")
+SETTINGS_DEAD_END = (
+    "the sampling settings (temperature 0, top_k, top_p, min_p, logit_bias, penalties) leave "
+    "none of the tokens the constraint allows"
+)
 
 
 class Guide:
@@ -29,7 +33,8 @@ class Guide:
         self.alpha = 1.0 + potential.exponent
         self.states: list[Any] = [potential.start() for _ in range(n)]
         self.value = torch.zeros(n, dtype=torch.float64)  # last v(prefix) per particle
-        self.errors: list[str] = []
+        self.errors: list[str] = []  # why particles died, each reason once
+        self.died = torch.zeros(n, dtype=torch.bool)  # [N] a dead end is recorded
 
     def shaped(self, particles: list[int], logr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(log g [B, V], log normalizer [B]) for z = alpha log r + log mask, per particle's
@@ -44,8 +49,33 @@ class Guide:
                     z[row].masked_fill_(~mask, NEG_INF)
         norm = torch.logsumexp(z.double(), dim=-1)  # [B]
         dead = torch.isneginf(norm)
+        for row in dead.nonzero().flatten().tolist():
+            self._dead_end(particles[row])
         logg = torch.where(dead[:, None], z, z - norm.float().masked_fill(dead, 0.0)[:, None])
         return logg, norm
+
+    def _dead_end(self, i: int) -> None:
+        """Record, once per particle, why its shaped law is empty: the potential's own reason
+        (a matcher that gave up), or the sampling settings when the mask allows some token."""
+        if self.died[i]:
+            return
+        self.died[i] = True
+        state = self.states[i]
+        reason = self.potential.error(state)
+        if reason is None:
+            mask = self.potential.allowed(state)
+            nothing = mask is not None and not bool(mask.any())
+            reason = "the constraint allows no next token" if nothing else SETTINGS_DEAD_END
+        self.note(reason)
+
+    def note(self, reason: str) -> None:
+        if reason not in self.errors:
+            self.errors.append(reason)
+
+    def dead_end(self) -> ConstraintError:
+        """The error of a decode all of whose sequences ended in a dead end, naming why."""
+        why = "; ".join(self.errors[:3]) or "every sequence reached a dead end"
+        return ConstraintError("no output can satisfy the constraints: " + why.replace("\n", " "))
 
     def advance(self, particles: list[int], tokens: torch.Tensor, active: torch.Tensor) -> None:
         for row, i in enumerate(particles):
@@ -59,7 +89,7 @@ class Guide:
         try:
             new = self.potential.log_value(tokens, final)
         except Exception as err:  # a user's reward: one failing particle must not stop the rest
-            self.errors.append(f"{type(err).__name__}: {err}")
+            self.note(f"{type(err).__name__}: {err}")
             return NEG_INF
         change = new - float(self.value[i])
         self.value[i] = new
@@ -80,12 +110,4 @@ class Guide:
         """Resampling: particle j becomes a copy of particle ancestors[j]."""
         self.states = [self.potential.copy(self.states[int(a)]) for a in ancestors]
         self.value = self.value[ancestors]
-
-
-def release_heap() -> None:
-    """glibc keeps freed memory in the arena of the thread that freed it (a job's thread here)
-    until `malloc_trim`; without it a constrained request's matchers stay in the RSS. A no-op
-    where the C library has no `malloc_trim` (musl, macOS)."""
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # the process's own symbols
-    if trim is not None:
-        trim(0)
+        self.died = self.died[ancestors]

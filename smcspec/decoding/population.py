@@ -42,6 +42,11 @@ class Population:
     def live(self) -> torch.Tensor:
         return torch.nonzero(~self.finished).squeeze(1)
 
+    def cut(self) -> torch.Tensor:
+        """[N] the particles of nonzero weight that have not ended: before the last factors,
+        those that the length limit (or a watch) cut, each a prefix of a valid sequence."""
+        return ~self.finished & ~torch.isneginf(self.log_w)
+
     def common_prefix(self) -> list[int]:
         """The tokens every particle shares, finished ones included: whichever particle is drawn
         at the end starts with them, and resampling only narrows the set, so they only grow."""

@@ -126,9 +126,10 @@ class SMCDecoder:
                 if watch is not None and watch(pop.common_prefix()):
                     stopped = True
                     break
+        cut = pop.cut()  # before the final factors, which zero the incomplete
         guide.finish(pop)
         weights = pop.finish()
-        choice = self._draw_answer(weights, generator)
+        choice = self._draw_answer(weights, cut, generator)
         seconds, split = clock.finish()
         all_tokens = [pop.sequence(i) for i in range(n)]
         stats = SMCStats(
@@ -144,12 +145,15 @@ class SMCDecoder:
         logprobs = None if pop.scores is None else pop.scores.of(choice, int(pop.lengths[choice]))
         return DecodeResult(all_tokens[choice], rounds, seconds, split, stats, all_tokens, logprobs)
 
-    def _draw_answer(self, weights: torch.Tensor, generator: torch.Generator) -> int:
+    def _draw_answer(
+        self, weights: torch.Tensor, cut: torch.Tensor, generator: torch.Generator
+    ) -> int:
         """The returned particle: i with probability W_i [N], so that the output's law is the
         expectation of the weighted particle measure sum_i W_i delta(x_i). All-zero weights
-        (every particle died) draw uniformly."""
+        (no particle satisfied the potentials) draw uniformly among those cut at the length
+        limit (cut [N]), whose text at least starts a valid one, never a dead one."""
         if not bool(weights.sum() > 0):
-            weights = torch.ones_like(weights)
+            weights = cut.to(weights.dtype)
         return int(torch.multinomial(weights, 1, generator=generator))
 
     def _round(

@@ -161,13 +161,17 @@ class PotentialGuide:
 
     def finish(self, pop: Population) -> None:
         """The sequence factor's final value, and log_end for particles cut at the length limit
-        (a constraint kills those left incomplete)."""
+        (a constraint kills those left incomplete). If no particle is left, and none was merely
+        cut, every one reached a dead end: `ConstraintError`."""
+        cut = pop.cut()
         for i in range(pop.log_w.numel()):
             if torch.isneginf(pop.log_w[i]):
                 continue
             pop.log_w[i] += self.guide.value_change(i, pop.sequence(i), True)
             if not pop.finished[i]:
                 pop.log_w[i] += self.guide.end(i)
+        if torch.isneginf(pop.log_w).all() and not cut.any():
+            raise self.guide.dead_end()
 
     def report(self, stats: SMCStats, pop: Population) -> None:
         stats.valid_particles = int((~torch.isneginf(pop.log_w)).sum())

@@ -199,7 +199,15 @@ class LLM:
         `reward_every` tokens as a twist, else at the end), and any `potential` object. smc
         samples that target; ar applies power and constraints locally (the naive, biased way);
         sd supports none of them. The settings are those of `request`; `watch`
-        sees the tokens fixed so far after every round (see `decoding.base.Watch`)."""
+        sees the tokens fixed so far after every round (see `decoding.base.Watch`).
+
+        A constraint is met or the call raises: one that
+        llguidance gives up on at its first tokens (or in a JSON schema's `pattern`) is a
+        ValueError before decoding; a decode all of whose sequences reach a dead end
+        (llguidance gives up mid-way, or the sampling settings leave none of the tokens it
+        allows) raises `potentials.ConstraintError`, a ValueError. Only a decode cut short
+        returns text that does not complete it: at max_new_tokens (finish_reason "length", a
+        prefix of a valid text) or at a stop string."""
         return self.run(self.request(prompt, method, **settings), watch=watch)
 
     def generate_batch(

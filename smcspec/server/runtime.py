@@ -34,6 +34,7 @@ from smcspec.config import (
 from smcspec.engine import LLM, GenerationResult, Request
 from smcspec.engine.scheduler import Cancelled, Job, Scheduler
 from smcspec.engine.text import check_stops
+from smcspec.potentials import Potential
 from smcspec.server import tools
 from smcspec.server.metrics import ServerMetrics
 from smcspec.server.schema import (
@@ -206,12 +207,7 @@ class Server:
             stops = check_stops(body.stops)
         except ValueError as err:
             raise ApiError(str(err), "stop") from err
-        try:  # built once: every choice shares it (each particle gets its own state)
-            potential = self.llm.build_potential(
-                body.power_alpha, json_schema=_schema(body), grammar=self.tool_grammar(body)
-            )
-        except ValueError as err:
-            raise ApiError(str(err)) from err
+        potential = self._potential(body)
         method = resolve_method(body.method or d.method, potential is not None)
         drafts = lookahead(decoding_config(method, particles, k))
         sampling = _sampling(body, d.temperature)
@@ -237,6 +233,21 @@ class Server:
                     raise ApiError(str(err)) from err
                 choices.append(Choice(len(choices), plan))
         return choices
+
+    def _potential(self, body: GenerationFields) -> Potential | None:
+        """The request's potential, built once: every choice shares it (each particle gets its
+        own state). A constraint's own errors name its field; the model's do not."""
+        schema, grammar = _schema(body), self.tool_grammar(body)
+        field = "tools" if grammar is not None else "response_format"
+        try:
+            if schema is not None or grammar is not None:
+                self.llm.guidance_tokenizer()
+        except ValueError as err:
+            raise ApiError(str(err)) from err
+        try:
+            return self.llm.build_potential(body.power_alpha, json_schema=schema, grammar=grammar)
+        except ValueError as err:
+            raise ApiError(str(err), field if schema or grammar else None) from err
 
     # -- vLLM's tokenizer routes ---------------------------------------------------------------
 
@@ -367,7 +378,10 @@ class Server:
 
 
 def result_of(future) -> GenerationResult:
-    """The result of a finished job's future (asyncio or concurrent), bad input as ApiError."""
+    """The result of a finished job's future (asyncio or concurrent), bad input as ApiError:
+    a 400, as is a decode that could not satisfy its response_format or tools (a
+    `ConstraintError`); a stream, whose head has gone, gets it as an error event before
+    [DONE]."""
     if future.cancelled():  # a job cancelled while still queued
         raise Cancelled("the request was cancelled")
     err = future.exception()

@@ -7,11 +7,20 @@ dies or whose scheduler thread has stopped (`check_health`), and adds or removes
 `--autoscale`. /health and /metrics on any replica cover all of them (`server.cluster`); every
 response names the replica that made it in the `x-smcspec-replica` header.
 
-Ray is imported only here, and only when replicas are asked for.
+Shutdown is the single-process server's: on SIGTERM (or SIGINT) every replica refuses new
+requests with a 503 and gives running ones `shutdown_timeout` seconds before it cancels them (a
+waiting client gets a 503, a stream an error event, then `data: [DONE]`); only then is the app
+removed. The `Stopper` actor carries the word to every replica, which Ray's router cannot do.
+
+A Ray instance started here listens on loopback only, and Ray's own proxy paths ask for the
+API key (`server.ray_exposure`).
+
+Ray is imported only here and there, and only when replicas are asked for.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import sys
@@ -22,17 +31,25 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from smcspec.server.app import CLOSE_S
 from smcspec.server.cluster import (
     Hub,
     ReplicaOptions,
     ReplicaView,
     deployment_options,
 )
-from smcspec.server.runtime import ServeDefaults
+from smcspec.server.ray_exposure import (
+    LOOPBACK,
+    internal_grpc_on_loopback,
+    loopback_ray,
+    proxy_env,
+)
+from smcspec.server.runtime import ServeDefaults, Server
 
 APP_NAME = "smcspec"
 NAMESPACE = "smcspec"
 HUB_NAME = "smcspec-metrics-hub"
+STOPPER_NAME = "smcspec-stopper"
 REPLICA_HEADER = "x-smcspec-replica"
 HUB_TIMEOUT_S = 2.0
 
@@ -77,6 +94,47 @@ class ReplicaBase:
             raise RuntimeError("the replica's scheduler thread has stopped")
 
 
+class Stopper:
+    """The named actor that tells every replica to drain (Ray's router reaches one replica per
+    call, never all). Each replica keeps a `wait` pending from its start (an async actor holds
+    them all) and reports `drained` once its requests are done. A replica that dies stays
+    pending: whoever waits on `pending` bounds the wait."""
+
+    def __init__(self) -> None:
+        self._stop = asyncio.Event()
+        self._pending: set[str] = set()
+
+    async def wait(self, replica: str) -> None:
+        self._pending.add(replica)
+        await self._stop.wait()
+
+    async def stop(self) -> None:
+        self._stop.set()
+
+    async def drained(self, replica: str) -> None:
+        self._pending.discard(replica)
+
+    async def pending(self) -> int:
+        return len(self._pending)
+
+
+def drain(server: Server, grace_s: float) -> None:
+    """`app.HTTPServer`'s shutdown in one replica: new requests get a 503 at once, running ones
+    have `grace_s` seconds to finish, then they are cancelled (a waiting client gets a 503, a
+    stream an error event and `data: [DONE]`), and get CLOSE_S more to send that."""
+    server.draining = True
+    _idle_within(server, grace_s)
+    server.cancel_all()
+    _idle_within(server, CLOSE_S)
+
+
+def _idle_within(server: Server, seconds: float) -> None:
+    end = time.monotonic() + seconds
+    s = server.scheduler
+    while (s.running or s.queued) and time.monotonic() < end:
+        time.sleep(0.05)
+
+
 def build_replica_app(spec: ReplicaSpec) -> ReplicaHeader:
     """Runs in the replica's process, when Ray starts it: the engine and its app."""
     import torch
@@ -85,13 +143,35 @@ def build_replica_app(spec: ReplicaSpec) -> ReplicaHeader:
     from smcspec.server.app import create_app
 
     torch.set_num_threads(spec.threads)
+    internal_grpc_on_loopback()
     replica = _replica_id()
     send, fetch = _hub_calls()
     llm = LLM(**spec.llm)
     app = create_app(
         llm, spec.defaults, replica=lambda server: ReplicaView(replica, server, send, fetch)
     )
+    _drain_when_told(app.state.server, replica, spec.defaults.shutdown_timeout)
     return ReplicaHeader(app, replica)
+
+
+def _drain_when_told(server: Server, replica: str, grace_s: float) -> None:
+    """A daemon thread that waits on the `Stopper` (when one runs), then drains the replica."""
+    import ray
+
+    try:
+        stopper = ray.get_actor(STOPPER_NAME, namespace=NAMESPACE)
+    except ValueError:  # an app deployed without `start_stopper`: Ray's own shutdown only
+        return
+
+    def run() -> None:
+        try:
+            ray.get(stopper.wait.remote(replica))
+        except Exception:  # the stopper is gone with its driver: nobody asks for a drain
+            return
+        drain(server, grace_s)
+        stopper.drained.remote(replica)
+
+    threading.Thread(target=run, name="smcspec-drain", daemon=True).start()
 
 
 def application(spec: ReplicaSpec, options: ReplicaOptions):
@@ -115,6 +195,15 @@ def start_hub():
 
     actor = ray.remote(num_cpus=0)(Hub)
     return actor.options(name=HUB_NAME, namespace=NAMESPACE).remote()
+
+
+def start_stopper():
+    """The named `Stopper` the replicas wait on, started before them (a replica looks for it
+    once, when it starts). Kept as `start_hub`'s handle is."""
+    import ray
+
+    actor = ray.remote(num_cpus=0)(Stopper)
+    return actor.options(name=STOPPER_NAME, namespace=NAMESPACE).remote()
 
 
 def _hub_calls():
@@ -146,12 +235,13 @@ def _replica_id() -> str:
 
 def serve_replicas(spec: ReplicaSpec, options: ReplicaOptions, host: str, port: int) -> None:
     """`smcspec serve` with replicas: start (or join) Ray, run the app on host:port, and serve
-    until SIGINT or SIGTERM; then remove the app (and stop Ray if this process started it)."""
+    until SIGINT or SIGTERM; then drain the replicas, remove the app (and stop Ray if this
+    process started it)."""
+    local = options.address is None  # the caller has probed a given address (check_reachable)
+    extra = {"include_dashboard": False, **loopback_ray()} if local else {}
     import ray
     from ray import serve
 
-    local = options.address is None  # the caller has probed a given address (check_reachable)
-    extra = {"include_dashboard": False} if local else {}
     try:
         ray.init(
             # "local": a new instance, never one that `ray start` left running (this process
@@ -164,12 +254,18 @@ def serve_replicas(spec: ReplicaSpec, options: ReplicaOptions, host: str, port: 
         )
     except ConnectionError as e:
         raise RuntimeError(f"--ray-address {options.address}: {e}") from None
+    node = ray.util.get_node_ip_address()
+    if local and node != LOOPBACK:  # Ray was imported before `loopback_ray` could set it up
+        print(f"smcspec: warning: Ray's own ports listen on {node}, not loopback", file=sys.stderr)
     serving = False  # whether Serve runs on the cluster: only then is there an app to remove
     _stop_on_sigterm()  # from here on, as Ctrl-C: through the clean-up below
     try:
         _check_fits(options, local)
         hub = start_hub()  # noqa: F841 (held: the hub lives as long as this handle)
-        serve.start(http_options={"host": host, "port": port})
+        stopper = start_stopper()
+        gate = proxy_env(spec.defaults.api_key)  # the proxies inherit the controller's env
+        controller = {"runtime_env": {"env_vars": gate}} if gate else None
+        serve.start(http_options={"host": host, "port": port}, controller_options=controller)
         serving = True
         _run_app(spec, options)
         low, high = options.autoscale or (options.initial_replicas,) * 2
@@ -184,7 +280,10 @@ def serve_replicas(spec: ReplicaSpec, options: ReplicaOptions, host: str, port: 
         # A second signal must not cut the clean-up short: Ray's processes would outlive us.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        _stop(local, serving, spec.defaults.shutdown_timeout)
+        grace = spec.defaults.shutdown_timeout
+        if serving:
+            _bounded(lambda: _drain_all(stopper, grace), grace + CLOSE_S + 15.0, "draining")
+        _stop(local, serving, grace)
 
 
 def _run_app(spec: ReplicaSpec, options: ReplicaOptions) -> None:
@@ -236,6 +335,16 @@ def _wait_for_stop() -> None:
         print("smcspec: stopping the replicas", file=sys.stderr)
 
 
+def _drain_all(stopper: Any, grace_s: float) -> None:
+    """Tell every replica to drain (`drain`) and wait until each has, or has had the time to."""
+    import ray
+
+    ray.get(stopper.stop.remote(), timeout=HUB_TIMEOUT_S)
+    end = time.monotonic() + grace_s + CLOSE_S + 1.0
+    while ray.get(stopper.pending.remote(), timeout=HUB_TIMEOUT_S) and time.monotonic() < end:
+        time.sleep(0.1)
+
+
 def _stop(local: bool, serving: bool, grace_s: float) -> None:
     """Remove the app (its replicas get `grace_s` to finish), then Serve and Ray if this
     process started them. Each step is bounded: a SIGTERM sent to the whole process group
@@ -260,6 +369,8 @@ def _bounded(step: Any, seconds: float, what: str) -> None:
     def run() -> None:
         try:
             step()
+        except Exception as e:  # Ray's daemons gone: one line, and on to the next step
+            print(f"smcspec: {what} failed ({type(e).__name__}: {e}); going on", file=sys.stderr)
         finally:
             done.set()
 

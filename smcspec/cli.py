@@ -329,6 +329,12 @@ def _add_serve_limits(serve: argparse.ArgumentParser) -> None:
         default=10.0,
         help="seconds a client has to send a request's headers and body",
     )
+    serve.add_argument(
+        "--write-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a client may leave a response unread before it is dropped",
+    )
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -390,6 +396,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         shutdown_timeout=args.shutdown_timeout,
         read_timeout=args.read_timeout,
+        write_timeout=args.write_timeout,
         api_key=_api_key(args),
     )
     replicas = _replica_options(args)

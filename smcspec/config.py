@@ -153,7 +153,9 @@ def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
     pairs = {}
     try:
         for key, value in items:  # type: ignore[union-attr]
-            token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+            # ASCII digits only: str.isdigit also takes "²", which int() refuses
+            numeric = isinstance(key, str) and key.isascii() and key.strip().isdigit()
+            token = int(key) if numeric else key
             _require(_is_int(token) and token >= 0, f"logit_bias: {key!r} is not a token id")
             _require(
                 _is_number(value) and -100 <= value <= 100,

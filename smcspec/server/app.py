@@ -8,38 +8,41 @@ requests share forward passes, each with its own method and settings. Streaming 
 that can no longer change: committed tokens for ar and sd, the particles' common prefix for smc,
 and the rest once the final particle is drawn.
 
-Parsing, templating, tokenizing and planning run in worker threads, so a large body never holds
-up the event loop; bodies over `max_body_bytes`, and requests without the server's API key (when
-it has one), are refused before anything reads them.
+Parsing, templating, tokenizing and planning run in worker threads, and `bodies` bounds the
+work of decoding a body before it starts, so a large body never holds up the event loop; bodies
+over `max_body_bytes`, and requests without the server's API key (when it has one), are refused
+before anything reads them; `connection` caps request heads and times reads and writes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-import h11
 import uvicorn
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from starlette.requests import ClientDisconnect
 
 from smcspec.engine import LLM, GenerationResult
 from smcspec.engine.scheduler import Cancelled
 from smcspec.server import tools
+from smcspec.server.bodies import BodyReader
 from smcspec.server.cluster import ReplicaView
+from smcspec.server.connection import h11_protocol
 from smcspec.server.guard import Guard
 from smcspec.server.logprobs import logprobs_view, prompt_logprobs_view
 from smcspec.server.runtime import (
@@ -65,7 +68,7 @@ __all__ = ["HTTPServer", "ServeDefaults", "create_app"]
 POLL_S = 0.25  # how often a waiting non-streaming request checks that its client is still there
 KEEP_ALIVE_S = 5.0  # an idle keep-alive connection is closed after this
 CLOSE_S = 2.0  # after the grace period, how long cancelled requests get to send their errors
-MAX_HEADER_BYTES = 16 * 1024
+LOG = logging.getLogger("smcspec.server")
 
 
 async def _gather(
@@ -81,6 +84,7 @@ async def _gather(
             if not pending:
                 break
             if await request.is_disconnected():
+                server.metrics.count_disconnect("waiting")
                 raise Cancelled("the client went away")
         return [_outcome(server, f) for f in futures]
     finally:
@@ -109,27 +113,6 @@ def _sse(payload: dict | str) -> str:
 
 
 # -- the app ----------------------------------------------------------------------------------
-
-
-def _parse(model: type[BaseModel], raw: bytes) -> Any:
-    return _validate(model, _load(raw))
-
-
-def _load(raw: bytes) -> Any:
-    """The JSON body. Bytes that are not UTF-8 become lone surrogates, which the runtime refuses
-    naming the field they are in."""
-    try:
-        return json.loads(raw.decode("utf-8", "surrogateescape"))
-    except json.JSONDecodeError as err:
-        error = {"type": "json_invalid", "loc": ("body", err.pos), "ctx": {"error": err.msg}}
-        raise RequestValidationError([{**error, "msg": "JSON decode error"}]) from err
-
-
-def _validate(model: type[BaseModel], data: Any) -> Any:
-    try:
-        return model.model_validate(data)
-    except ValidationError as err:
-        raise RequestValidationError(err.errors(include_url=False)) from err
 
 
 def _body_schema(*names: str) -> dict:
@@ -186,6 +169,7 @@ def create_app(
     (`server.ray_app`), makes the view through which /health lists every replica and /metrics
     serves all their metrics, each labelled `replica`."""
     server = Server(llm, defaults)
+    bodies = BodyReader(server.context_length)
     view = None if replica is None else replica(server)
 
     @asynccontextmanager
@@ -204,12 +188,12 @@ def create_app(
     _with_body_schemas(app)
 
     def completion(raw: bytes) -> tuple[GenerationFields, list[Choice]]:
-        body = _parse(CompletionRequest, raw)
+        body = bodies.parse(raw, CompletionRequest)
         server.check_model(body.model)
         return body, server.plan(body, server.completion_prompts(body), "prompt")
 
     def chat_completion(raw: bytes) -> tuple[GenerationFields, list[Choice]]:
-        body = _parse(ChatRequest, raw)
+        body = bodies.parse(raw, ChatRequest)
         server.check_model(body.model)
         return body, server.plan(body, server.chat_prompt(body), "messages")
 
@@ -240,22 +224,22 @@ def create_app(
         body, choices = await run_in_threadpool(chat_completion, await request.body())
         return await _respond(server, body, choices, request, chat=True)
 
-    _add_tokenizer_routes(app, server)
+    _add_tokenizer_routes(app, server, bodies)
     return app
 
 
-def _add_tokenizer_routes(app: FastAPI, server: Server) -> None:
+def _add_tokenizer_routes(app: FastAPI, server: Server, bodies: BodyReader) -> None:
     """vLLM's /tokenize and /detokenize, which clients use to count and inspect prompts."""
 
-    def tokenized(raw: bytes) -> dict:
-        data = _load(raw)
+    def model(data: Any) -> type[BaseModel]:
         chat = isinstance(data, dict) and "messages" in data
-        return server.tokenize(
-            _validate(TokenizeChatRequest if chat else TokenizeCompletionRequest, data)
-        )
+        return TokenizeChatRequest if chat else TokenizeCompletionRequest
+
+    def tokenized(raw: bytes) -> dict:
+        return server.tokenize(bodies.parse(raw, model))
 
     def detokenized(raw: bytes) -> dict:
-        return server.detokenize(_parse(DetokenizeRequest, raw))
+        return server.detokenize(bodies.parse(raw, DetokenizeRequest))
 
     schemas = _body_schema("TokenizeCompletionRequest", "TokenizeChatRequest")
 
@@ -389,6 +373,7 @@ async def _stream(
         item.update(extra)
         return _sse({**head, "object": obj, "choices": [item]})
 
+    ended = False
     try:
         if chat:
             for c in choices:
@@ -421,7 +406,10 @@ async def _stream(
             yield _sse({**head, "object": obj, "choices": [], "usage": usage})
         server.metrics.latency.observe(time.perf_counter() - started)
         yield _sse("[DONE]")
+        ended = True
     finally:
+        if not ended and not server.draining:  # the client left, or stopped reading
+            server.metrics.count_disconnect("streaming")
         for c in choices:
             c.job.cancel()
 
@@ -464,6 +452,20 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def cancelled(request: HTTPRequest, err: Cancelled) -> JSONResponse:
         return JSONResponse(error_body(str(err), kind="cancelled"), status_code=499)
 
+    @app.exception_handler(ClientDisconnect)
+    async def hung_up(request: HTTPRequest, err: ClientDisconnect) -> JSONResponse:
+        """A client gone before its body was whole (or cut off by the read timeout): nginx's
+        and vLLM's 499, one log line, no traceback; nobody is left to read the answer."""
+        request.app.state.server.metrics.count_disconnect("body")
+        client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
+        LOG.warning(
+            "%s hung up before sending the whole body of %s %s",
+            client,
+            request.method,
+            request.url.path,
+        )
+        return JSONResponse(error_body("the client hung up", kind="cancelled"), status_code=499)
+
     @app.exception_handler(Exception)
     async def crashed(request: HTTPRequest, err: Exception) -> JSONResponse:
         message = f"internal error: {type(err).__name__}: {err}"
@@ -471,38 +473,6 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 # -- the HTTP server --------------------------------------------------------------------------
-
-
-def _h11_with_read_timeout(timeout: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with a deadline on reading a request: its headers and body must
-    arrive within `timeout` seconds of the connection opening or of the request's first byte
-    (uvicorn has none, so a client sending a byte now and then would hold the connection)."""
-
-    class ReadDeadline(H11Protocol):
-        def connection_made(self, transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self.read_deadline = self.loop.call_later(timeout, self.read_timed_out)
-
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            reading = self.conn.their_state in (h11.IDLE, h11.SEND_BODY)
-            if not reading and self.read_deadline is not None:
-                self.read_deadline.cancel()
-                self.read_deadline = None
-            elif reading and self.read_deadline is None:
-                self.read_deadline = self.loop.call_later(timeout, self.read_timed_out)
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            if self.read_deadline is not None:
-                self.read_deadline.cancel()
-            super().connection_lost(exc)
-
-        def read_timed_out(self) -> None:
-            self.read_deadline = None
-            if self.conn.their_state in (h11.IDLE, h11.SEND_BODY):
-                self.transport.close()
-
-    return ReadDeadline
 
 
 class HTTPServer(uvicorn.Server):
@@ -519,10 +489,9 @@ class HTTPServer(uvicorn.Server):
             host=host,
             port=port,
             log_level=log_level,
-            http=_h11_with_read_timeout(d.read_timeout),
+            http=h11_protocol(d.read_timeout, d.write_timeout),
             timeout_keep_alive=KEEP_ALIVE_S,
             timeout_graceful_shutdown=d.shutdown_timeout + CLOSE_S,
-            h11_max_incomplete_event_size=MAX_HEADER_BYTES,
         )
         super().__init__(config)
 

@@ -1,7 +1,8 @@
 """Prometheus metrics of one server, named as vLLM names them (prefix `smcspec:` for `vllm:`)
 so existing dashboards carry over, each labelled with the served `model_name`: requests,
-tokens, latency, queue, KV pages, speculative decoding (sd) counters, and SMC's own (rounds,
-resamples, ESS). `role` tells the target model from the draft."""
+client disconnects (nginx's 499, by stage), tokens, latency, queue, KV pages, speculative
+decoding (sd) counters, and SMC's own (rounds, resamples, ESS). `role` tells the target model
+from the draft."""
 
 from __future__ import annotations
 
@@ -39,6 +40,13 @@ class ServerMetrics:
             "smcspec:http_requests",
             "HTTP requests by endpoint and status",
             ["model_name", "endpoint", "status"],
+            registry=r,
+        )
+        self.disconnects = Counter(
+            "smcspec:client_disconnects",
+            "clients that hung up before their response ended (HTTP 499), by stage: sending the "
+            "body, waiting for a result, or reading a stream",
+            ["model_name", "stage"],
             registry=r,
         )
         self.finished = Counter(
@@ -87,6 +95,9 @@ class ServerMetrics:
 
     def count_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(self.model_name, endpoint, str(status)).inc()
+
+    def count_disconnect(self, stage: str) -> None:
+        self.disconnects.labels(self.model_name, stage).inc()
 
     def record_choice(
         self, method: str, new_tokens: int, finish_reason: str, rounds: int, stats: Stats | None

@@ -81,6 +81,8 @@ def error_body(message: str, param: str | None = None, code=None, kind="invalid_
 class ServeDefaults:
     """Server-wide settings; each request may override the decoding ones. None: the engine's
     defaults (`smcspec.config`: sd, or smc for a request with a potential; each method's K).
+    `read_timeout`: seconds a client has to send a request; `write_timeout`: seconds a client may
+    leave a response unread (once the socket buffers are full) before it is dropped.
     `api_key`: when set, every route but /health needs `Authorization: Bearer <api_key>`; it is
     kept out of the repr so that no log line can show it."""
 
@@ -97,6 +99,7 @@ class ServeDefaults:
     max_body_bytes: int = 4 * 2**20
     shutdown_timeout: float = 5.0
     read_timeout: float = 10.0
+    write_timeout: float = 60.0
     api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -110,8 +113,9 @@ class ServeDefaults:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if not 0 <= self.shutdown_timeout < math.inf:
             raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
-        if not 0 < self.read_timeout < math.inf:
-            raise ValueError(f"read_timeout must be > 0 seconds, got {self.read_timeout}")
+        for name in ("read_timeout", "write_timeout"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         _check_api_key(self.api_key)
 
 
@@ -256,9 +260,11 @@ class Server:
         context length to compare them to (null when the model states none)."""
         tokenizer = self._tokenizer(body.model)
         if isinstance(body, TokenizeChatRequest):
+            self._check_fits(sum(len(m.text) for m in body.messages), "messages")
             text = self._templated(tokenizer, body.messages, body.add_generation_prompt)
         else:
             check_unicode(body.prompt, "prompt")
+            self._check_fits(len(body.prompt), "prompt")
             text = body.prompt
         ids = tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
         return {"count": len(ids), "max_model_len": self.context_length, "tokens": ids}

@@ -1,12 +1,15 @@
 """Request bodies of the OpenAI-compatible API, with smcspec's decoding settings as extra fields
-(named as on the CLI). Unknown fields are refused, so a typo never passes silently; OpenAI fields
-that smcspec does not implement are accepted only at their neutral value."""
+(named as on the CLI). Unknown fields are refused, so a typo never passes silently, and types are
+strict (`"n": true`, `"stream": "true"`, `"seed": 1.0` are refused, not coerced); OpenAI fields
+that smcspec does not implement are accepted only at their neutral value. Collections stop at
+their first bad item: pydantic otherwise builds an error for every item with the GIL held (a
+list of a million wrong ids took seconds)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from smcspec.config import MAX_LOGPROBS, MAX_PARTICLES, RESAMPLING_SCHEMES
 
@@ -17,15 +20,17 @@ MAX_TOTAL_CHOICES = 64  # prompts x n
 # Validation holds the GIL (and so the event loop) for ~6 us a message: 4096 take ~25 ms.
 MAX_MESSAGES = 4096
 Resampling = Literal[RESAMPLING_SCHEMES]  # type: ignore[valid-type]
+Texts = Annotated[list[str], Field(fail_fast=True)]
+TokenIds = Annotated[list[int], Field(fail_fast=True)]
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 
 class JSONSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
     name: str = Field("response", max_length=64)
     description: str | None = None
     schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
@@ -35,7 +40,7 @@ class JSONSchemaFormat(BaseModel):
 class ResponseFormat(BaseModel):
     """{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": ...}."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
 
@@ -49,13 +54,13 @@ class ResponseFormat(BaseModel):
 class GenerationFields(BaseModel):
     """What completions and chat completions share."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    stop: str | list[str] | None = None
+    stop: str | Texts | None = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1 - MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -63,7 +68,7 @@ class GenerationFields(BaseModel):
     user: str | None = None
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS, fail_fast=True)
     response_format: ResponseFormat | None = None
     # vLLM's: the prompt tokens' log-probabilities (in the choice's `prompt_logprobs`)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -110,7 +115,7 @@ class GenerationFields(BaseModel):
 
 
 class CompletionRequest(GenerationFields):
-    prompt: str | list[str] | list[int] = Field(..., min_length=1)
+    prompt: str | Texts | TokenIds = Field(..., min_length=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False  # the prompt before the completion (and its log-probabilities)
     suffix: str | None = Field(None, max_length=0)
@@ -128,7 +133,7 @@ class CompletionRequest(GenerationFields):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text"]
     text: str
 
@@ -138,7 +143,7 @@ MAX_TOOLS = 128
 
 
 class FunctionDef(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     name: str = Field(..., pattern=FUNCTION_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
@@ -146,41 +151,41 @@ class FunctionDef(BaseModel):
 
 
 class Tool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["function"]
     function: FunctionDef
 
 
 class FunctionName(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     name: str
 
 
 class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["function"]
     function: FunctionName
 
 
 class CalledFunction(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
 
 class ToolCall(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     id: str
     type: Literal["function"]
     function: CalledFunction
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | Annotated[list[TextPart], Field(fail_fast=True)] | None = None
     name: str | None = None
-    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_calls: list[ToolCall] | None = Field(None, fail_fast=True)  # an assistant's earlier calls
     tool_call_id: str | None = None  # the call a tool message answers
 
     @model_validator(mode="after")
@@ -201,16 +206,16 @@ class ChatMessage(BaseModel):
 
 
 class ChatRequest(GenerationFields):
-    messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES, fail_fast=True)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS, fail_fast=True)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     # OpenAI fields for features smcspec lacks, accepted (and ignored) where they ask for nothing,
     # so clients that always send them work: nothing stored.
-    metadata: dict[str, str] | None = Field(None, max_length=16)
+    metadata: dict[str, str] | None = Field(None, max_length=16, fail_fast=True)
     store: bool | None = None
     service_tier: str | None = Field(None, max_length=64)
 
@@ -265,7 +270,7 @@ class ChatRequest(GenerationFields):
 class TokenizeCompletionRequest(BaseModel):
     """POST /tokenize with a text, as vLLM takes it (`model` may be left out)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     prompt: str = Field(..., min_length=1)
     add_special_tokens: bool = True
@@ -275,16 +280,16 @@ class TokenizeChatRequest(BaseModel):
     """POST /tokenize with messages, through the chat template. No special tokens by default,
     as in vLLM: the template writes its own."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
-    messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES, fail_fast=True)
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
 
 
 class DetokenizeRequest(BaseModel):
-    """POST /detokenize. Strict ints: a float or a string is a client's bug, not an id."""
+    """POST /detokenize."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
-    tokens: list[StrictInt] = Field(..., min_length=1)
+    tokens: TokenIds = Field(..., min_length=1)

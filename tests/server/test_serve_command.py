@@ -64,6 +64,7 @@ def test_serve_command_answers_the_openai_client(tiny_llama_folder, tiny_llama_d
         ("--temperature", "-1", "temperature"),
         ("--max-running", "0", "max_running"),
         ("--max-batch-tokens", "0", "max_batch_tokens"),
+        ("--write-timeout", "0", "write_timeout"),
         ("--replicas", "0", "--replicas"),
         ("--autoscale", "3:1", "--autoscale"),
         ("--autoscale", "two", "--autoscale"),

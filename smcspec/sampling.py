@@ -122,10 +122,38 @@ def law(
     context: pieces [B, *] that joined along dim 1 are the prompt, the text and the P - 1 tokens
     fed before the last position; they are joined (and moved to the logits' device) only when
     an adjustment needs them."""
-    if cfg.adjusts_logits:
-        tokens = torch.cat([piece.to(logits.device) for piece in context], dim=1)
-        logits = adjust(logits, tokens, prompt_len, cfg)
-    return log_probs(logits, temperature, cfg.top_k, cfg.top_p, cfg.min_p)
+    return tempered(scores(logits, cfg, context, prompt_len), cfg, temperature)
+
+
+def scores(
+    logits: torch.Tensor, cfg: SamplingConfig, context: Sequence[torch.Tensor], prompt_len: int
+) -> torch.Tensor:
+    """The logits [B, P, V] `adjust`ed for the sequences they continue (context as in `law`):
+    what the temperature divides, and what T = 0 takes the arg-max of. The same tensor when
+    cfg adjusts nothing."""
+    if not cfg.adjusts_logits:
+        return logits
+    tokens = torch.cat([piece.to(logits.device) for piece in context], dim=1)
+    return adjust(logits, tokens, prompt_len, cfg)
+
+
+def tempered(scores: torch.Tensor, cfg: SamplingConfig, temperature: float) -> torch.Tensor:
+    """`log_probs` of scores [..., V] at `temperature`, truncated as cfg says."""
+    return log_probs(scores, temperature, cfg.top_k, cfg.top_p, cfg.min_p)
+
+
+def greedy_among(scores: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """The T = 0 law among the allowed tokens [..., V] (bool; None: all): all mass on the
+    arg-max of scores [..., V] over them, the first under ties, as `log_probs` at T = 0. Scores
+    read as `log_probs` reads logits (NaN is -inf, +inf the largest finite). A row where no
+    allowed token has a finite score comes back all -inf: an empty law, as the restricted law
+    is at every T > 0 there."""
+    finite = _finite(scores if scores.dtype == torch.float64 else scores.float())  # a copy
+    if allowed is not None:
+        finite.masked_fill_(~allowed, NEG_INF)
+    best = finite.argmax(dim=-1, keepdim=True)  # [..., 1]
+    empty = torch.isneginf(finite.gather(-1, best))  # [..., 1]
+    return torch.full_like(finite, NEG_INF).scatter_(-1, best, 0.0).masked_fill_(empty, NEG_INF)
 
 
 def adjust(

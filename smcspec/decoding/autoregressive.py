@@ -25,7 +25,8 @@ from smcspec.potentials import Potential
 class AutoregressiveDecoder:
     """One token at a time from p, or, with a potential, from the locally shaped law
     p^alpha * mask / norm at each step: local tempering and masking, the naive approach whose
-    bias against the sequence-level target SMC removes. A sequence-level reward has no local
+    bias against the sequence-level target SMC removes. At temperature 0 that law is the point
+    mass on the likeliest allowed token (`Guide.shaped`). A sequence-level reward has no local
     form, so it is refused here. A step whose shaped law is empty (a dead end) raises
     `ConstraintError`."""
 
@@ -55,13 +56,12 @@ class AutoregressiveDecoder:
             while len(new) < sampling_cfg.max_new_tokens:
                 with clock.stage("verify"):
                     logits = self.target.forward(pending(seq, cache), cache, 1)[:, -1:]
-                    # [1, 1, V] -> the law [1, V]
-                    logp = sampling.law(
-                        logits, sampling_cfg, sampling_cfg.temperature, [seq], len(prompt)
-                    )[:, 0]
-                law = logp  # the target's, which logprobs report
+                    adjusted = sampling.scores(logits, sampling_cfg, [seq], len(prompt))[:, 0]
+                    logp = sampling.tempered(adjusted, sampling_cfg, sampling_cfg.temperature)
+                law = logp  # [1, V] the target's, which logprobs report
                 if guide is not None:  # potentials live on the host
-                    logp, norm = guide.shaped([0], logp.cpu())
+                    greedy = sampling_cfg.temperature == 0  # the law has lost all but its arg-max
+                    logp, norm = guide.shaped([0], (adjusted if greedy else logp).cpu(), greedy)
                     if torch.isneginf(norm).all():
                         raise guide.dead_end()
                 token = int(sampling.sample(logp, generator)[0])

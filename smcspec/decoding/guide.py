@@ -7,6 +7,8 @@ Target: pi(x) = p(x)^alpha * 1[x allowed] * exp(v(x)) / Z, alpha = 1 + potential
   token (r = p) that is log sum_y exp(z(y)), the local normalizer, whatever y was drawn.
 - The sequence factor enters as v(prefix) - v(previous prefix) after every round; at the end
   v(x, final) - v(last prefix), so the intermediate values telescope away.
+- At T = 0 a shaped law is the point mass on the arg-max of the logits among the allowed tokens
+  (`Guide.shaped`, greedy): the limit T -> 0 of the shaped law, the same for every alpha.
 - A particle whose mask allows nothing, whose reward raises, or that ends incomplete gets
   weight zero (log -inf); the other particles carry on. Why each dead end happened is kept in
   `errors`; a decode all of whose sequences end in one raises `dead_end()`.
@@ -18,12 +20,14 @@ from typing import Any
 
 import torch
 
+from smcspec import sampling
 from smcspec.potentials import ConstraintError, Potential, release_heap
 
 NEG_INF = float("-inf")
 SETTINGS_DEAD_END = (
-    "the sampling settings (temperature 0, top_k, top_p, min_p, logit_bias, penalties) leave "
-    "none of the tokens the constraint allows"
+    "the sampling settings (top_k, top_p, min_p, logit_bias, penalties, or a temperature above 0 "
+    "so small that its law is the unconstrained greedy one) leave none of the tokens the "
+    "constraint allows"
 )
 
 
@@ -36,23 +40,55 @@ class Guide:
         self.errors: list[str] = []  # why particles died, each reason once
         self.died = torch.zeros(n, dtype=torch.bool)  # [N] a dead end is recorded
 
-    def shaped(self, particles: list[int], logr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def shaped(
+        self,
+        particles: list[int],
+        logr: torch.Tensor,
+        greedy: bool = False,
+        masks: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(log g [B, V], log normalizer [B]) for z = alpha log r + log mask, per particle's
-        state. A row whose mask allows nothing comes back all -inf with normalizer -inf."""
-        z = logr.clone()
-        if self.alpha != 1.0:  # log 0 stays -inf (an alpha that underflows to 0 gives NaN)
-            z = torch.where(torch.isneginf(logr), logr, logr * self.alpha)
-        if self.potential.has_mask:
-            for row, i in enumerate(particles):
-                mask = self.potential.allowed(self.states[i])
-                if mask is not None:
-                    z[row].masked_fill_(~mask, NEG_INF)
+        state. A row whose mask allows nothing comes back all -inf with normalizer -inf.
+        masks: the rows' `masks`, when the caller has them already.
+
+        greedy: a T = 0 step. logr are then its scores l (`sampling.scores`: the logits after
+        logit bias and penalties), and g is the point mass on the arg-max of l among the allowed
+        tokens, the first under ties (`sampling.greedy_among`), with normalizer log 1 = 0. That
+        is the limit T -> 0 of the shaped law at T > 0: with r = softmax(l / T) and m the largest
+        allowed l, g_T(y) = exp(alpha (l(y) - m) / T) mask(y) / sum_y' exp(alpha (l(y') - m) / T)
+        mask(y'), whose every allowed term below m vanishes (alpha > 0) while those at m stay 1.
+        So it is the same for any alpha, and never empty while the mask allows a token. Masking
+        the T = 0 law instead (all mass on the unconstrained arg-max) empties it whenever that
+        token is not allowed. Truncation is moot at T = 0, as in `sampling.log_probs`; at T > 0
+        a top-k, top-p or min-p that keeps none of the allowed tokens is the user's own cut, and
+        stays a dead end (`SETTINGS_DEAD_END`)."""
+        if masks is None:
+            masks = self.masks(particles, logr.shape[-1])
+        if greedy:
+            z = sampling.greedy_among(logr, masks)
+        else:
+            z = logr.clone()
+            if self.alpha != 1.0:  # log 0 stays -inf (an alpha that underflows to 0 gives NaN)
+                z = torch.where(torch.isneginf(logr), logr, logr * self.alpha)
+            if masks is not None:
+                z.masked_fill_(~masks, NEG_INF)
         norm = torch.logsumexp(z.double(), dim=-1)  # [B]
         dead = torch.isneginf(norm)
         for row in dead.nonzero().flatten().tolist():
             self._dead_end(particles[row])
         logg = torch.where(dead[:, None], z, z - norm.float().masked_fill(dead, 0.0)[:, None])
         return logg, norm
+
+    def masks(self, particles: list[int], vocab: int) -> torch.Tensor | None:
+        """[B, V] bool: the tokens each particle's state allows; None when the potential masks
+        nothing."""
+        if not self.potential.has_mask:
+            return None
+        everything = torch.ones(vocab, dtype=torch.bool)
+        rows = [self.potential.allowed(self.states[i]) for i in particles]
+        if not rows:
+            return torch.ones(0, vocab, dtype=torch.bool)
+        return torch.stack([everything if m is None else m for m in rows])
 
     def _dead_end(self, i: int) -> None:
         """Record, once per particle, why its shaped law is empty: the potential's own reason

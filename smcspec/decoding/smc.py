@@ -11,7 +11,8 @@ that emits EOS is finished: absorbing, zero increment from then on, and it leave
 costs no more forward passes. At the end one particle is drawn with probability W_i.
 
 If every particle's weight becomes zero in a round (a draft token outside the target's support,
-e.g. under top-k), the round is replaced by one exact target step; `collapses` counts this.
+e.g. under top-k, or at temperature 0 a draft other than the target's arg-max, allowed or not
+under a constraint), the round is replaced by one exact target step; `collapses` counts this.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ class SMCDecoder:
     def _guide(self, s: SamplingConfig) -> RoundGuide:
         if self.potential is None:
             return NoGuide()
-        return PotentialGuide(self.potential, self.config.particles, self._eos(s))
+        return PotentialGuide(self.potential, self.config.particles, self._eos(s), s)
 
     def _decode(
         self,
@@ -177,11 +178,13 @@ class SMCDecoder:
             logits = self.target.forward(feed, t_cache, k + 1)  # [B, k + 1, V]
             if guide.on_host:
                 logits = logits.cpu()
-            logp = sampling.law(logits, s, s.temperature, [seqs, drafts], prompt.numel())
+            scores = sampling.scores(logits, s, [seqs, drafts], prompt.numel())
+            logp = sampling.tempered(scores, s, s.temperature)  # [B, k + 1, V], for logprobs
+            law = guide.target(logp, scores)  # what the weights use (greedy: p constrained)
             # no-ops but for k = 0, whose empty drafts never met the device
             drafts, logq_x = drafts.to(logp.device), logq_x.to(logp.device)
-            logp_x = sampling.pick(logp[:, :k], drafts)  # [B, k]
-            bonus, log_ratio = guide.bonus(logp, logp_x, logq_x, generator)  # [B], [B, k + 1]
+            logp_x = sampling.pick(law[:, :k], drafts)  # [B, k]
+            bonus, log_ratio = guide.bonus(law, logp_x, logq_x, generator)  # [B], [B, k + 1]
             scored = _score(logp, drafts, bonus, s.logprobs)
             # The round's one host sync: the bookkeeping below runs on the host.
             drafts, bonus, log_ratio = drafts.cpu(), bonus.cpu(), log_ratio.cpu()
@@ -189,7 +192,7 @@ class SMCDecoder:
         block = torch.cat([drafts, bonus[:, None]], dim=1)  # [B, k + 1]
         increment, kept, ended = self._weigh(block, log_ratio, s)  # [B] each
         if guide.collapses(pop, increment):
-            self._exact_step(pop, logp[:, 0], s, generator)
+            self._exact_step(pop, (law[:, 0], logp[:, 0]), s, generator, guide)
             for cache in caches:
                 rollback(cache, prompt.numel() + pop.generated)
         else:
@@ -221,8 +224,8 @@ class SMCDecoder:
             if guide.on_host:
                 logits = logits.cpu()
             context = [seqs, *(t[:, None] for t in tokens)]
-            logq = sampling.law(logits, s, s.proposal_temperature, context, prompt_len)[:, 0]
-            logq = guide.proposal(logq)  # [B, V]
+            scores = sampling.scores(logits, s, context, prompt_len)[:, 0]  # [B, V]
+            logq = guide.proposal(sampling.tempered(scores, s, s.proposal_temperature), scores)
             x = sampling.sample(logq, generator)  # [B], stays on the device: no sync
             tokens.append(x)
             logq_x.append(sampling.pick(logq, x))
@@ -245,18 +248,24 @@ class SMCDecoder:
     def _exact_step(
         self,
         pop: Population,
-        logp_first: torch.Tensor,
+        first: tuple[torch.Tensor, torch.Tensor],
         s: SamplingConfig,
         generator: torch.Generator,
+        guide: RoundGuide,
     ) -> None:
         """The round would leave every weight zero: instead of it, each live particle gets one
-        token drawn exactly from p (logp_first [B, V]), at no weight."""
+        token drawn exactly from the law the weights use at the round's first position (first:
+        that law and p's, which logprobs report, [B, V] each), its weight unchanged but where
+        the guide finds a dead end."""
+        law, logp = first
         pop.collapses += 1
-        token = sampling.sample(logp_first, generator)  # [B]
+        token = sampling.sample(law, generator)  # [B]
         top = s.logprobs
-        scored = None if top is None else score(logp_first[:, None], token[:, None], top)
+        scored = None if top is None else score(logp[:, None], token[:, None], top)
         token = token.cpu()
+        guide.exact(pop, law, token)
         pop.extend(token[:, None], torch.ones_like(token), torch.isin(token, self._eos(s)), scored)
+        guide.committed(pop, token)
 
     def _maybe_resample(
         self,

@@ -6,6 +6,11 @@
 - `PotentialGuide`: pi = p^alpha * mask * exp(v) / Z (see `guide.py`). Drafts come from the
   shaped law g, the bonus from the shaped target law with its local normalizer as weight, the
   sequence factor v enters after every round, and a particle that hits a dead end dies alone.
+  At target temperature 0 every step's target law is the point mass on the likeliest allowed
+  token, so a particle lives only while its drafts are those tokens: each draft weighs 0 or
+  -inf, the bonus 0, and the survivors are one sequence with equal weights (a greedy proposal
+  makes all N the same). A round that no particle survives is replaced by one exact step, as
+  without a potential.
 
 Each method of `NoGuide` is the identity (or nothing), so the no-potential path runs exactly the
 operations it would without any guide: outputs are bit-identical and it costs nothing.
@@ -13,11 +18,12 @@ operations it would without any guide: outputs are bit-identical and it costs no
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from smcspec import sampling
+from smcspec.config import SamplingConfig
 from smcspec.decoding.base import SMCStats
 from smcspec.decoding.guide import Guide
 from smcspec.decoding.population import Population
@@ -30,8 +36,9 @@ class RoundGuide(Protocol):
     on_host: bool  # the logits must move to the host (potentials run there)
 
     def begin(self, ids: list[int]) -> None: ...
-    def proposal(self, logq: torch.Tensor) -> torch.Tensor: ...
+    def proposal(self, logq: torch.Tensor, scores: torch.Tensor) -> torch.Tensor: ...
     def drafted(self, x: torch.Tensor) -> None: ...
+    def target(self, logp: torch.Tensor, scores: torch.Tensor) -> torch.Tensor: ...
     def bonus(
         self,
         logp: torch.Tensor,
@@ -40,6 +47,7 @@ class RoundGuide(Protocol):
         generator: torch.Generator,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
     def collapses(self, pop: Population, increment: torch.Tensor) -> bool: ...
+    def exact(self, pop: Population, law: torch.Tensor, token: torch.Tensor) -> None: ...
     def committed(self, pop: Population, bonus: torch.Tensor) -> None: ...
     def reorder(self, ancestors: torch.Tensor) -> None: ...
     def finish(self, pop: Population) -> None: ...
@@ -55,11 +63,14 @@ class NoGuide:
     def begin(self, ids: list[int]) -> None:
         pass
 
-    def proposal(self, logq: torch.Tensor) -> torch.Tensor:
+    def proposal(self, logq: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         return logq
 
     def drafted(self, x: torch.Tensor) -> None:
         pass
+
+    def target(self, logp: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return logp
 
     def bonus(
         self,
@@ -79,6 +90,9 @@ class NoGuide:
         one exact step (a draft outside p's support, e.g. under top-k)."""
         return pop.collapses_with(increment)
 
+    def exact(self, pop: Population, law: torch.Tensor, token: torch.Tensor) -> None:
+        pass
+
     def committed(self, pop: Population, bonus: torch.Tensor) -> None:
         pass
 
@@ -97,26 +111,43 @@ class NoGuide:
 
 class PotentialGuide:
     """pi = p^alpha * mask * exp(v) / Z: proposals and bonus tokens from shaped laws, one state
-    per particle (`Guide`), and per-particle deaths instead of a round's collapse."""
+    per particle (`Guide`), and per-particle deaths instead of a round's collapse (but at
+    target temperature 0, where only the greedy sequence has weight)."""
 
     on_host = True
 
-    def __init__(self, potential: Potential, n: int, eos: torch.Tensor) -> None:
+    def __init__(self, potential: Potential, n: int, eos: torch.Tensor, s: SamplingConfig) -> None:
         self.guide = Guide(potential, n)
         self.eos = eos
+        self.greedy = s.temperature == 0  # the target's laws are point masses
+        self.greedy_proposal = s.proposal_temperature == 0
         self.ids: list[int] = []
         self.dead = torch.zeros(0, dtype=torch.bool)  # [B] the mask allowed nothing
         self.ended = torch.zeros(0, dtype=torch.bool)  # [B] a draft was EOS
+        # Greedy target only: the masks [B, V] at each of the round's positions (draft step j
+        # and target position j continue the same prefix), and the states the round began
+        # from, which a collapsed round goes back to (a matcher moves in place).
+        self.masks: list[torch.Tensor | None] = []
+        self.start: tuple[list[Any], torch.Tensor] = ([], torch.zeros(0, dtype=torch.bool))
 
     def begin(self, ids: list[int]) -> None:
         self.ids = ids
         self.dead = torch.zeros(len(ids), dtype=torch.bool)
         self.ended = torch.zeros(len(ids), dtype=torch.bool)
+        if self.greedy:
+            g = self.guide
+            self.masks = []
+            self.start = ([g.potential.copy(g.states[i]) for i in ids], g.died[ids].clone())
 
-    def proposal(self, logq: torch.Tensor) -> torch.Tensor:
-        """The shaped law g = q^alpha mask / norm [B, V] for rows still drafting; q itself for
-        rows past an EOS or a dead end (their tokens do not count)."""
-        logg, norm = self.guide.shaped(self.ids, logq)
+    def proposal(self, logq: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """The shaped law g = q^alpha mask / norm [B, V] for rows still drafting (at proposal
+        temperature 0 the point mass on the draft's likeliest allowed token, from its scores
+        [B, V]); q itself for rows past an EOS or a dead end (their tokens do not count)."""
+        masks = self.guide.masks(self.ids, logq.shape[-1])
+        if self.greedy:
+            self.masks.append(masks)
+        r = scores if self.greedy_proposal else logq
+        logg, norm = self.guide.shaped(self.ids, r, self.greedy_proposal, masks)
         self.dead |= torch.isneginf(norm) & ~self.ended
         return torch.where((self.ended | self.dead)[:, None], logq, logg)
 
@@ -125,6 +156,20 @@ class PotentialGuide:
         is_eos = torch.isin(x, self.eos)
         self.guide.advance(self.ids, x, ~self.ended & ~self.dead & ~is_eos)
         self.ended |= is_eos
+
+    def target(self, logp: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """The target's laws at the round's k + 1 positions [B, k + 1, V] that the weights and
+        the bonus use: logp itself, or at temperature 0 the point mass on the likeliest allowed
+        token of the scores [B, k + 1, V] at each position (`Guide.shaped`, greedy); there p is
+        the point mass on the unconstrained arg-max, which the mask would empty."""
+        if not self.greedy:
+            return logp
+        self.masks.append(self.guide.masks(self.ids, scores.shape[-1]))  # past the drafts
+        laws = [
+            self.guide.shaped(self.ids, scores[:, j], True, masks)[0]
+            for j, masks in enumerate(self.masks)
+        ]
+        return torch.stack(laws, dim=1)
 
     def bonus(
         self,
@@ -135,16 +180,33 @@ class PotentialGuide:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Bonus tokens [B] from the shaped target law at the last position, and the weight
         terms [B, k + 1]: alpha log p(x_j) - log g(x_j) per draft, the local normalizer for the
-        bonus; a dead row gets -inf."""
+        bonus; a dead row gets -inf. logp [B, k + 1, V]: `target`'s laws."""
         k = logp_x.shape[1]
-        logg, norm = self.guide.shaped(self.ids, logp[:, k])  # states are past the drafts
+        masks = self.masks[k] if self.greedy else None  # `target` has them
+        logg, norm = self.guide.shaped(self.ids, logp[:, k], masks=masks)  # past the drafts
         dead = self.dead | torch.isneginf(norm)
         bonus = sampling.sample(torch.where(dead[:, None], logp[:, k], logg), generator)
         log_ratio = torch.cat([self.guide.alpha * logp_x - logq_x, norm.float()[:, None]], dim=1)
         return bonus, log_ratio.masked_fill(dead[:, None], float("-inf"))
 
     def collapses(self, pop: Population, increment: torch.Tensor) -> bool:
-        return False  # a dead particle dies alone; the decode stops when all have died
+        """Only at temperature 0, where a particle dies for a draft that is not the target's
+        token, not only at a dead end: whether the round's terms [B] leave every weight zero
+        (the exact step then finds the dead ends). Otherwise a dead particle dies alone; the
+        decode stops when all have died."""
+        return self.greedy and pop.collapses_with(increment)
+
+    def exact(self, pop: Population, law: torch.Tensor, token: torch.Tensor) -> None:
+        """A collapsed round's exact step, token [B] drawn from `target`'s law at its first
+        position [B, V]: the states go back to the round's start (to follow the token in
+        `committed`), and a row whose law there was empty, a dead end, gets weight zero."""
+        pop.reweight(sampling.pick(law, token))  # 0, or -inf for a dead end
+        states, died = self.start
+        for row, i in enumerate(self.ids):
+            self.guide.states[i] = states[row]
+        self.guide.died[self.ids] = died
+        self.dead = torch.zeros(len(self.ids), dtype=torch.bool)
+        self.ended = torch.zeros(len(self.ids), dtype=torch.bool)
 
     def committed(self, pop: Population, bonus: torch.Tensor) -> None:
         """Move the states past the bonus tokens [B] (unless an EOS came first), and add each

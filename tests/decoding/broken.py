@@ -56,7 +56,7 @@ class ForgetsBonusNormalizer(SMCDecoder):
     """With a potential, the bonus token's local normalizer (a weight term) is dropped."""
 
     def _guide(self, s):
-        return _NoBonusNormalizer(self.potential, self.config.particles, self._eos(s))
+        return _NoBonusNormalizer(self.potential, self.config.particles, self._eos(s), s)
 
 
 class _NoBonusNormalizer(PotentialGuide):

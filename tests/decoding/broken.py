@@ -48,8 +48,8 @@ class WrongWeightSign(SMCDecoder):
 class UniformFinalDraw(SMCDecoder):
     """Returns a particle chosen uniformly: right particles and weights, wrong answer."""
 
-    def _draw_answer(self, weights, generator):
-        return super()._draw_answer(torch.ones_like(weights), generator)
+    def _draw_answer(self, weights, cut, generator):
+        return super()._draw_answer(torch.ones_like(weights), cut, generator)
 
 
 class ForgetsBonusNormalizer(SMCDecoder):

@@ -85,8 +85,11 @@ def test_graphs_give_the_eager_logits_with_padding_to_buckets():
     eager = NativeCausalLM(model("reference"), {0}, 64, 4, graphs=False)
     graphed = NativeCausalLM(model("reference"), {0}, 64, 4, capture=eager_capture)
     expected, got = script(eager), script(graphed)
+    # float32 rounding only: a padded batch of 4 rows runs other matmul blocks than 3 rows
+    # (up to 1.8e-6 apart on an AVX-512 CPU), where a padding row writing into a live page
+    # moves logits by more than 1e-3 (the test below)
     for a, b in zip(got, expected, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     runner = graphed.graphs
     assert eager.graphs is None and runner is not None
     # 3 rows run in the bucket of 4 (one padding row); the 20-token prefill is eager

@@ -7,6 +7,14 @@ import os
 import pytest
 import torch
 
+# Triton decides at `import triton` whether its own `tl` helpers (tl.zeros, ...) are compiled or
+# interpreted, and a kernel interpreted later cannot call compiled helpers ("Cannot call
+# @triton.jit'd outside of the scope of a kernel"). The CPU tests run the paged kernel in the
+# interpreter, so the switch is set here, before any test module can import Triton (a module
+# collected earlier that imports it, even indirectly, would otherwise decide for the process).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 WORDS = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(61)]  # 64 tokens
 
 

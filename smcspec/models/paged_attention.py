@@ -17,9 +17,7 @@ when the kernel is first built.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
 from typing import Any
 
 import torch
@@ -78,34 +76,10 @@ def triton_attention(
     bound is read from `positions` on the device, so the launch depends on shapes only."""
     out = torch.empty_like(q) if out is None else out
     _check(q, k_cache, v_cache, block_tables, out)
-    if q.shape[0] == 0:
-        return out
-    page_size = k_cache.shape[1]
-    with _INTERPRETER if q.device.type == "cpu" else contextlib.nullcontext():
-        _launch(q, k_cache, v_cache, out, block_tables, seq_index, positions, scale, page_size)
-    return out
-
-
-# Triton's interpreter swaps triton.language's functions for interpreted ones for the length
-# of a launch and swaps them back after, process-wide: two threads interpreting at once undo
-# each other's swap ("Cannot call @triton.jit'd outside of the scope of a kernel"). CPU runs
-# are the interpreter's, so they take turns; a GPU launch never waits on this.
-_INTERPRETER = threading.Lock()
-
-
-def _launch(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    out: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_index: torch.Tensor,
-    positions: torch.Tensor,
-    scale: float,
-    page_size: int,
-) -> None:
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
+    if num_tokens == 0:
+        return out
+    _, page_size, num_kv_heads, _ = k_cache.shape
     _kernel()[(num_tokens, num_heads)](
         q,
         k_cache,
@@ -124,6 +98,7 @@ def _launch(
         PAGE_SIZE=page_size,
         BLOCK_N=_block_n(head_dim),
     )
+    return out
 
 
 def _check(

@@ -14,11 +14,9 @@ import threading
 import pytest
 import requests
 
-from smcspec import LLM
 from smcspec.server.app import ServeDefaults
-from tests.server.conftest import serve
 from tests.server.test_limits import until
-from tests.server.test_tools import save_byte_model
+from tests.server.test_tools import serve_byte_pair
 
 MODEL = "tiny-bytes"
 BOMBS = ["^a{1000000}$", "^((a{100}){100}){100}$"]  # llguidance gives up at the first "a"
@@ -45,14 +43,7 @@ def response_format(schema: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    folders = [tmp_path_factory.mktemp(name) for name in ("target", "draft")]
-    for seed, folder in enumerate(folders):
-        save_byte_model(folder, seed)
-    llm = LLM(str(folders[0]), str(folders[1]), backend="native", dtype="float32")
-    handle, server, thread = serve(llm, ServeDefaults(MODEL, particles=3, max_tokens=48))
-    yield handle
-    server.should_exit = True
-    thread.join(timeout=30)
+    yield from serve_byte_pair(tmp_path_factory, ServeDefaults(MODEL, particles=3, max_tokens=48))
 
 
 def towards_y(served) -> dict:

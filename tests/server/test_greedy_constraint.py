@@ -11,10 +11,8 @@ import json
 import pytest
 import requests
 
-from smcspec import LLM
 from smcspec.server.app import ServeDefaults
-from tests.server.conftest import serve
-from tests.server.test_tools import WEATHER, save_byte_model
+from tests.server.test_tools import WEATHER, serve_byte_pair
 
 MODEL = "tiny-bytes"
 MESSAGES = [{"role": "user", "content": "Is it sunny?"}]
@@ -32,14 +30,7 @@ RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "reply", "sche
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    folders = [tmp_path_factory.mktemp(name) for name in ("target", "draft")]
-    for seed, folder in enumerate(folders):
-        save_byte_model(folder, seed)
-    llm = LLM(str(folders[0]), str(folders[1]), backend="native", dtype="float32")
-    handle, server, thread = serve(llm, ServeDefaults(MODEL, particles=3, max_tokens=128))
-    yield handle
-    server.should_exit = True
-    thread.join(timeout=30)
+    yield from serve_byte_pair(tmp_path_factory, ServeDefaults(MODEL, particles=3, max_tokens=128))
 
 
 def chat(served, **extra) -> requests.Response:

@@ -41,6 +41,19 @@ CLOCK = {"type": "function", "function": {"name": "now"}}  # no parameters: argu
 MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
 
 
+def serve_byte_pair(tmp_path_factory, defaults: ServeDefaults):
+    """A server over two byte-level models (target seed 0, draft seed 1) in float32, for a
+    module-scoped fixture to `yield from`; stopped when the fixture ends."""
+    folders = [tmp_path_factory.mktemp(name) for name in ("target", "draft")]
+    for seed, folder in enumerate(folders):
+        save_byte_model(folder, seed)
+    llm = LLM(str(folders[0]), str(folders[1]), backend="native", dtype="float32")
+    handle, server, thread = serve(llm, defaults)
+    yield handle
+    server.should_exit = True
+    thread.join(timeout=30)
+
+
 def save_byte_model(folder, seed: int) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -60,15 +73,8 @@ def save_byte_model(folder, seed: int) -> None:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    folders = [tmp_path_factory.mktemp(name) for name in ("target", "draft")]
-    for seed, folder in enumerate(folders):
-        save_byte_model(folder, seed)
-    llm = LLM(str(folders[0]), str(folders[1]), backend="native", dtype="float32")
     defaults = ServeDefaults(MODEL, particles=3, draft_tokens=3, max_tokens=96)
-    handle, server, thread = serve(llm, defaults)
-    yield handle
-    server.should_exit = True
-    thread.join(timeout=10)
+    yield from serve_byte_pair(tmp_path_factory, defaults)
 
 
 def ask(served, **extra):

@@ -16,7 +16,7 @@ from smcspec.config import SamplingConfig, SMCConfig
 from smcspec.decoding import AutoregressiveDecoder, SMCDecoder
 from smcspec.models.toy import perturbed_lm, random_lm
 from smcspec.potentials import Constraint, ConstraintError, Product, TokenRule
-from tests.test_potentials import ByteTokenizer
+from tests.test_potentials import byte_guidance_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # toy models (see tests/conftest.py)
 
@@ -34,7 +34,7 @@ def byte(ch: str) -> int:
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(ByteTokenizer()))
+    return byte_guidance_tokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -39,9 +39,14 @@ class ByteTokenizer:
         return [c + 1 for c in text]
 
 
+def byte_guidance_tokenizer() -> llguidance.LLTokenizer:
+    """llguidance's view of `ByteTokenizer` (token b + 1 is byte b)."""
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(ByteTokenizer()))
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
-    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(ByteTokenizer()))
+    return byte_guidance_tokenizer()
 
 
 @pytest.fixture(scope="module")

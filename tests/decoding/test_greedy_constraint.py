@@ -23,7 +23,8 @@ from smcspec.decoding import AutoregressiveDecoder, SMCDecoder
 from smcspec.models.toy import ToyLM, perturbed_lm, random_lm
 from smcspec.potentials import Constraint, ConstraintError, Potential, Power, Product, TokenRule
 from tests import oracle
-from tests.test_potentials import ByteTokenizer
+from tests.test_constraint_limits import byte
+from tests.test_potentials import byte_guidance_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -50,13 +51,9 @@ METHODS = {
 }
 
 
-def byte(ch: str) -> int:
-    return ord(ch) + 1
-
-
 @pytest.fixture(scope="module")
 def tokenizer():
-    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(ByteTokenizer()))
+    return byte_guidance_tokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -56,6 +56,15 @@ def check_text(
     return hit
 
 
+def returned_is_not_the_first(out: Any) -> bool:
+    """For an smc result (others: False): assert that its particles disagree, and say whether
+    the returned one is not particle 0 (a text taken from particle 0 would then be caught)."""
+    if out.particle_texts is None:
+        return False
+    assert len(set(out.particle_texts)) > 1, "the particles must disagree"
+    return out.particle_texts[out.diagnostics["chosen_particle"]] != out.particle_texts[0]
+
+
 def byte_pair(tmp_path_factory: Any) -> Any:
     """An `LLM` over a tiny random pair with a byte-level tokenizer (which llguidance reads, so
     constraints compile against it)."""

@@ -45,6 +45,10 @@ class ForwardBatch:
     slots: torch.Tensor  # [total] int64 flat KV slot each new key and value is written to
     positions: torch.Tensor  # [total] int64 absolute position of each new token
     seq_index: torch.Tensor | None = None  # [total] int32 row of block_tables (paged only)
+    # [B + 1] int32 cumulative token counts (paged only): sequence b's new tokens are the flat
+    # rows query_starts[b] .. query_starts[b + 1] - 1, contiguous and in order; a sequence may
+    # append no token (a graph's padding row). None: derived from seq_index by the kernel.
+    query_starts: torch.Tensor | None = None
     block_tables: torch.Tensor | None = None  # [B, P] int32 page ids (paged only)
     gather: GatherPlan | None = None  # (gather only)
     attention: Attention | None = None  # the implementation for this batch (None: the model's)

@@ -12,6 +12,7 @@ Reference: this module is tested against `transformers` on the same weights.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from smcspec.kv.cache import PagedKVCache
-from smcspec.models import int8_cache, rope
+from smcspec.models import fused, int8_cache, rope
 from smcspec.models.attention import (
     PAGED_MAX_TOKENS,
     ForwardBatch,
@@ -30,11 +31,19 @@ from smcspec.models.attention import (
     GatherPlan,
 )
 from smcspec.models.attention import choose as choose_attention
+from smcspec.models.fused import rms_reference as _rms
+from smcspec.models.fused import rotate_reference as _rotate
 from smcspec.models.layers import DenseLinear, Int8Linear, make_linear
 
 Linear = DenseLinear | Int8Linear
 
 SUPPORTED = ("llama", "qwen2", "mistral")
+# Feeds longer than this run as successive passes of at most this many tokens per sequence, so a
+# long prompt never builds its whole [heads, T, T] score matrix: the gather path's SDPA falls to
+# the math kernel, float32 scores, about 120 GB per tensor for a 7B model (28 heads) at 32k
+# tokens, 7 GB for a 2048-token pass over 32k keys. At 2048 rows a pass is still compute-bound
+# (7B on an H200: ~40 ms of matmuls against the 3 ms weight read each extra pass repeats).
+PREFILL_CHUNK = 2048
 
 
 @dataclass(frozen=True)
@@ -107,6 +116,11 @@ class LlamaModel:
     larger than the rest in a few channels, which int8 activations cannot resolve (measured on
     Qwen2.5-Coder-1.5B: KL 2.9 nats at position 0 against float32, 0.006 elsewhere). Its result
     depends on the token id alone, so it is computed once per id and memoized (`_sinks`).
+
+    Off the CPU (`fused`), the layer's small steps are the one-launch ops of `fused`, the residual
+    adds riding with the norms after them: 9 launches a layer, where plain torch makes ~34 of
+    them in bf16 (`launches.count_ops`). The CPU keeps the plain torch code, whose numbers the
+    ops' references reproduce.
     """
 
     def __init__(
@@ -125,6 +139,7 @@ class LlamaModel:
         if dtype == "int8" and self.device.type != "cpu":
             raise ValueError("int8 weights run on the CPU only (fbgemm); use bfloat16 on CUDA")
         self.attention = choose_attention(attention, self.device)
+        self.fused = self.device.type != "cpu"
         self._gather = GatherAttention()
         w = weights
         self.act_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
@@ -265,7 +280,8 @@ class LlamaModel:
     ) -> list[torch.Tensor]:
         """As `forward`, with a logits count per sequence: the float32 logits of the last
         min(len(tokens[b]), num_logits[b]) new positions of sequence b, list of [n_b, V]. One
-        pass over the weights serves every sequence (continuous batching mixes requests)."""
+        pass over the weights serves every sequence (continuous batching mixes requests); a
+        feed longer than `PREFILL_CHUNK` takes several (`_chunks`)."""
         tokens = list(tokens)
         sinks: dict[int, torch.Tensor] = {}
         if self.dtype == "int8":
@@ -273,28 +289,36 @@ class LlamaModel:
                 if kv.lengths[seq] == 0 and tokens[b].numel() > 0:
                     sinks[b] = self._write_sink(kv, seq, int(tokens[b][0]))
                     tokens[b] = tokens[b][1:]
-        live = [b for b in range(len(seqs)) if tokens[b].numel() > 0]
-        by_row = {}
-        if live:
-            counts = [int(tokens[b].numel()) for b in live]
-            wants = [min(n, num_logits[b]) for n, b in zip(counts, live, strict=True)]
-            batch = self.plan(kv, [seqs[b] for b in live], counts)
-            # Rows may come from the host (a prompt) and the device (sampled drafts) at once,
-            # when the scheduler batches several requests.
-            flat = torch.cat([_to(tokens[b], self.device) for b in live])  # [total]
-            x = self.hidden(flat, batch, kv)  # [total, H]
-            keep = _last_rows(counts, wants)
-            logits = self.logits(x[_to(keep, self.device)]).float()  # [rows kept, V]
-            by_row = dict(zip(live, logits.split(wants), strict=True))
+        counts = [int(t.numel()) for t in tokens]
+        pieces: list[list[torch.Tensor]] = [[] for _ in seqs]
+        for chunk in _chunks(counts, num_logits, PREFILL_CHUNK):
+            feeds = [tokens[b][start:end] for b, start, end, _ in chunk]
+            wants = [want for *_, want in chunk]
+            logits = self._pass(kv, [seqs[b] for b, *_ in chunk], feeds, wants)
+            for (b, *_), row in zip(chunk, logits, strict=True):
+                pieces[b].append(row)
         rows = []
         for b in range(len(seqs)):
-            row = by_row.get(b)  # [n_b, V]
-            if row is None:  # no token left after its sink (or none given)
-                row = torch.zeros(0, self.config.vocab_size, device=self.device)
+            row = _joined(pieces[b], self.config.vocab_size, self.device)  # [n_b, V]
             if row.shape[0] < num_logits[b] and b in sinks:
                 row = torch.cat([sinks[b][None], row])
             rows.append(row)
         return rows
+
+    def _pass(
+        self, kv: PagedKVCache, seqs: list[int], tokens: list[torch.Tensor], wants: list[int]
+    ) -> list[torch.Tensor]:
+        """One pass over the weights: append tokens[b] (non-empty) to seqs[b]; the float32
+        logits of the last wants[b] of them, list of [wants[b], V]."""
+        counts = [int(t.numel()) for t in tokens]
+        batch = self.plan(kv, seqs, counts)
+        # Rows may come from the host (a prompt) and the device (sampled drafts) at once, when
+        # the scheduler batches several requests.
+        flat = torch.cat([_to(t, self.device) for t in tokens])  # [total]
+        x = self.hidden(flat, batch, kv)  # [total, H]
+        keep = _last_rows(counts, wants)
+        logits = self.logits(x[_to(keep, self.device)]).float()  # [rows kept, V]
+        return list(logits.split(wants))
 
     def plan(self, kv: PagedKVCache, seqs: list[int], counts: list[int]) -> ForwardBatch:
         """Reserve counts[b] new positions of each sequence (host page tables) and build what the
@@ -314,6 +338,8 @@ class LlamaModel:
             batch.block_tables = _to(kv.block_tables(seqs, width), dev)
             rows = torch.arange(len(seqs), dtype=torch.int32)
             batch.seq_index = _to(rows.repeat_interleave(torch.tensor(counts)), dev)
+            starts_flat = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32)
+            batch.query_starts = _to(starts_flat, dev)  # [B + 1]
         else:
             p = GatherAttention.plan(kv, seqs, starts, counts)
             batch.gather = GatherPlan(
@@ -325,6 +351,8 @@ class LlamaModel:
     def hidden(self, tokens: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         """The layers over flat new tokens [total] (on the device): hidden states [total, H]
         before the final norm. No host sync, no host tensor."""
+        if self.fused:
+            return self._hidden_fused(tokens, batch, kv)
         eps = self.config.rms_eps
         x = F.embedding(tokens, self.embed)  # [total, H]
         cos, sin = self.rope(batch.positions)  # [total, D]
@@ -335,9 +363,32 @@ class LlamaModel:
             x = x + layer.down(F.silu(gate) * up)
         return x
 
+    def _hidden_fused(
+        self, tokens: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache
+    ) -> torch.Tensor:
+        """`hidden` in one-launch ops: each residual add is fused with the norm that reads the
+        sum (the attention's with the post-attention norm, the MLP's with the next layer's
+        input norm); the last layer's MLP add stays apart, as `hidden` returns x before the
+        final norm (the callers keep only some rows for the logits)."""
+        eps = self.config.rms_eps
+        x = F.embedding(tokens, self.embed)  # [total, H]
+        cos, sin = self.rope(batch.positions)  # [total, D]
+        h = fused.rms_norm(x, self.layers[0].input_norm, eps)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            attended = self._attention(layer, i, h, cos, sin, kv, batch)
+            h, x = fused.add_rms_norm(attended, x, layer.post_norm, eps)
+            mlp = layer.down(fused.silu_mul(layer.gate_up(h)))  # [total, H]
+            if i == last:
+                x = x + mlp
+            else:
+                h, x = fused.add_rms_norm(mlp, x, self.layers[i + 1].input_norm, eps)
+        return x
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Next-token logits [n, V] (in the weights' float type) of hidden states x [n, H]."""
-        return self.lm_head(_rms(x, self.norm, self.config.rms_eps))
+        norm = fused.rms_norm if self.fused else _rms
+        return self.lm_head(norm(x, self.norm, self.config.rms_eps))
 
     def _write_sink(self, kv: PagedKVCache, seq: int, token: int) -> torch.Tensor:
         """Store position 0 of `seq` (token id `token`); return its next-token logits [V]."""
@@ -387,9 +438,12 @@ class LlamaModel:
         c = self.config
         d, nh, nkv = c.head_dim, c.num_heads, c.num_kv_heads
         qkv = layer.qkv(h).view(-1, nh + 2 * nkv, d)  # [total, nh + 2 nkv, d]
-        qk = _rotate(qkv[:, : nh + nkv], cos, sin)  # q and k heads rotated together
-        q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]
-        kv.write(index, batch.slots, k, v)
+        if self.fused:
+            q = fused.rope_write(qkv, cos, sin, kv.k[index], kv.v[index], batch.slots, nh, nkv)
+        else:
+            qk = _rotate(qkv[:, : nh + nkv], cos, sin)  # q and k heads rotated together
+            q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]
+            kv.write(index, batch.slots, k, v)
         out = (batch.attention or self.attention)(q, kv, index, batch)  # [total, nh, d]
         return layer.o(out.reshape(-1, nh * d))
 
@@ -471,6 +525,34 @@ def _opt(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
     return None if t is None else _to(t, device)
 
 
+def _chunks(
+    counts: list[int], num_logits: list[int], size: int
+) -> list[list[tuple[int, int, int, int]]]:
+    """The passes of a feed of counts[b] tokens per sequence, at most `size` per sequence each:
+    pass j holds (b, start, end, want) for each sequence b with tokens [start, end) in
+    [j size, (j + 1) size), `want` the logits it keeps, those of its rows among the feed's
+    last num_logits[b] (always the pass's last rows)."""
+    passes = []
+    for start in range(0, max(counts, default=0), size):
+        chunk = []
+        for b, n in enumerate(counts):
+            end = min(n, start + size)
+            if end > start:
+                first_wanted = max(start, n - num_logits[b])
+                chunk.append((b, start, end, max(0, end - first_wanted)))
+        passes.append(chunk)
+    return passes
+
+
+def _joined(pieces: list[torch.Tensor], vocab: int, device: torch.device) -> torch.Tensor:
+    """One sequence's logits [n, V] from its passes' pieces (no copy for a single pass)."""
+    if len(pieces) == 1:
+        return pieces[0]
+    if not pieces:  # no token left after its sink (or none given)
+        return torch.zeros(0, vocab, device=device)
+    return torch.cat(pieces)
+
+
 def _last_rows(counts: list[int], wants: list[int]) -> torch.Tensor:
     """Flat indices of the last wants[b] of each sequence's counts[b] new tokens."""
     ends = torch.tensor(counts).cumsum(0).tolist()
@@ -481,17 +563,3 @@ def stack_padded(rows: list[torch.Tensor], num_logits: int) -> torch.Tensor:
     """Rows [n_b, V] with n_b <= num_logits as [B, num_logits, V], zeros in the missing
     leading positions."""
     return torch.stack([F.pad(r, (0, 0, num_logits - r.shape[0], 0)) for r in rows])
-
-
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)
-    variance = x.float().pow(2).mean(-1, keepdim=True)
-    return (x.float() * torch.rsqrt(variance + eps)).to(x.dtype) * weight
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on x [total, heads, d] with cos, sin [total, d] (halves convention, as HF)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]

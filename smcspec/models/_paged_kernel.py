@@ -1,11 +1,44 @@
-"""The Triton kernel of `paged_attention.triton_attention` (see there for the contract).
+"""The Triton kernels of `paged_attention.triton_attention` (see there for the contract, the
+tiling and the split/merge identity).
 
-A module of its own, imported only when the kernel is first needed, so that Triton stays
+A module of its own, imported only when the kernels are first needed, so that Triton stays
 optional and the jit decorator runs at import, with Triton's names at module level.
+
+Scores live in base 2: the caller folds log2(e) into the scale and the kernels use exp2, so the
+running maxima m written for the merge are in log2 units too, and the merge uses exp2 alike.
 """
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _find_sequence(starts_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
+    """The sequence owning grid row `q_block`: sequence b's q-blocks start at row
+    starts[b] // BLOCK_Q + b (strictly increasing in b, even across zero-length sequences), so
+    this is the largest such b <= q_block, found by binary search over the B entries."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(starts_ptr + mid) // BLOCK_Q + mid
+        if first <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+    """tl.dot, float32 accumulation. DOT_FP32 (the interpreter only): Triton's interpreter
+    multiplies bfloat16 operands as their raw uint16 bits; products of bf16 values are exact in
+    float32, as on tensor cores, so the upcast changes only the summation order."""
+    if DOT_FP32:
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        c = tl.dot(a, b, input_precision=PRECISION)
+    return c
 
 
 @triton.jit
@@ -14,10 +47,15 @@ def paged_attention_kernel(
     k_ptr,
     v_ptr,
     out_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_z_ptr,
     tables_ptr,
-    seq_ptr,
+    starts_ptr,
     pos_ptr,
-    scale,
+    qk_scale,
+    num_seqs,
+    num_tokens,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -28,37 +66,117 @@ def paged_attention_kernel(
     stride_table,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SPLITS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    seq = tl.load(seq_ptr + t).to(tl.int64)
-    pos = tl.load(pos_ptr + t)
-    dims = tl.arange(0, HEAD_DIM)  # [D]
-    q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + h * stride_qh + dims).to(tl.float32)
-    q = q * scale
-    kv_head = (h // GROUP).to(tl.int64) * stride_khead
-    m = tl.full([], float("-inf"), tl.float32)  # running max of the scores
-    z = tl.zeros([], tl.float32)  # running sum of exp(score - m)
-    acc = tl.zeros([HEAD_DIM], tl.float32)  # running sum of exp(score - m) v
-    for start in range(0, pos + 1, BLOCK_N):
+    """One program: BLOCK_Q query tokens of one sequence x the GROUP query heads of kv head
+    program_id(1) (row r of the [BLOCK_M, HEAD_DIM] tile is token r // GROUP, head
+    r % GROUP), over the key range of split program_id(2)."""
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = _find_sequence(starts_ptr, num_seqs, q_block, BLOCK_Q)
+    q_start = tl.load(starts_ptr + seq)
+    q_count = tl.load(starts_ptr + seq + 1) - q_start
+    local = q_block - (q_start // BLOCK_Q + seq)
+    if local * BLOCK_Q >= q_count:  # the grid's spare rows, and zero-length sequences
+        return
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = local * BLOCK_Q + rows // GROUP  # [M] token index within the sequence
+    valid = (rows < BLOCK_Q * GROUP) & (tok < q_count)  # [M]
+    token = (q_start + tok).to(tl.int64)  # [M] flat row
+    head = kv_head * GROUP + rows % GROUP  # [M] query head
+    dims = tl.arange(0, HEAD_PAD)  # [D] a power of two >= 16 (tl.arange, tl.dot's K)
+    in_head = dims < HEAD_DIM
+    q_offs = token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
+    q = tl.load(q_ptr + q_offs, mask=valid[:, None] & in_head[None, :], other=0.0)  # [M, D]
+    # padding rows get position -1: they see no key and are never stored
+    pos = tl.load(pos_ptr + token, mask=valid, other=-1).to(tl.int32)  # [M]
+
+    # This q-block's keys are 0 .. max(pos); split s takes an equal share of whole key tiles.
+    num_keys = tl.max(pos, axis=0) + 1
+    tiles_per_split = tl.cdiv(tl.cdiv(num_keys, BLOCK_N), SPLITS)
+    lo = split * tiles_per_split * BLOCK_N
+    hi = tl.minimum(lo + tiles_per_split * BLOCK_N, num_keys)
+
+    table = tables_ptr + seq.to(tl.int64) * stride_table
+    head_off = kv_head.to(tl.int64) * stride_khead
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the scores (log2 units)
+    z = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)  # running sum of exp2(score - m) v
+    # Loads first, no branch inside: the shape Triton's pipeliner overlaps across iterations.
+    for start in range(lo, hi, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)  # [N] positions
-        causal = keys <= pos
-        # masked: table entries past the token's last page are never read
-        page = tl.load(tables_ptr + seq * stride_table + keys // PAGE_SIZE, mask=causal)
-        row = page.to(tl.int64) * stride_kpage + (keys % PAGE_SIZE) * stride_kslot + kv_head
-        offs = row[:, None] + dims[None, :]  # [N, D]
-        k = tl.load(k_ptr + offs, mask=causal[:, None], other=0.0).to(tl.float32)
-        scores = tl.where(causal, tl.sum(k * q[None, :], axis=1), float("-inf"))  # [N]
-        # the first block always holds key 0, so m_new is finite and alpha = exp(-inf) = 0
-        m_new = tl.maximum(m, tl.max(scores, axis=0))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new)  # [N], 0 where masked
-        v = tl.load(v_ptr + offs, mask=causal[:, None], other=0.0).to(tl.float32)
-        z = z * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        in_split = keys < hi
+        page = tl.load(table + keys // PAGE_SIZE, mask=in_split, other=0)
+        slot = page.to(tl.int64) * stride_kpage + (keys % PAGE_SIZE) * stride_kslot + head_off
+        k_mask = in_split[None, :] & in_head[:, None]
+        k = tl.load(k_ptr + slot[None, :] + dims[:, None], mask=k_mask, other=0.0)  # [D, N]
+        v_mask = in_split[:, None] & in_head[None, :]
+        v = tl.load(v_ptr + slot[:, None] + dims[None, :], mask=v_mask, other=0.0)  # [N, D]
+        scores = _dot(q, k, PRECISION, DOT_FP32) * qk_scale  # [M, N]
+        seen = in_split[None, :] & (keys[None, :] <= pos[:, None])
+        scores = tl.where(seen, scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        # a row that has seen no key yet keeps m = -inf; 0 stands in so exp2 gives 0, not NaN
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)  # [M]
+        p = tl.exp2(scores - m_safe[:, None])  # [M, N], 0 where not seen
+        z = z * alpha + tl.sum(p, axis=1)
+        pv = _dot(p.to(v.dtype), v, PRECISION, DOT_FP32)  # [M, D]
+        acc = acc * alpha[:, None] + pv
         m = m_new
-    out = acc / z
-    o_ptrs = out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + dims
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty))
+
+    if SPLITS == 1:
+        o_offs = token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+        out = acc / tl.where(z > 0, z, 1.0)[:, None]
+        o_mask = valid[:, None] & in_head[None, :]
+        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        # every split writes, an empty one (m = -inf, z = 0) too: the merge reads all SPLITS
+        part = (split * num_tokens + token) * (GROUP * tl.num_programs(1)) + head  # [M]
+        tl.store(part_m_ptr + part, m, mask=valid)
+        tl.store(part_z_ptr + part, z, mask=valid)
+        a_offs = part[:, None] * HEAD_DIM + dims[None, :]
+        tl.store(part_acc_ptr + a_offs, acc, mask=valid[:, None] & in_head[None, :])
+
+
+@triton.jit
+def merge_splits_kernel(
+    part_acc_ptr,
+    part_m_ptr,
+    part_z_ptr,
+    out_ptr,
+    num_tokens,
+    num_heads,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    """out[t, h] = sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) z_s, m = max_s m_s: one program
+    per (token, query head). Split 0 holds key 0, which every token sees, so m is finite."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    real = s < SPLITS
+    part = (s * num_tokens + t) * num_heads + h  # [S]
+    m_s = tl.load(part_m_ptr + part, mask=real, other=float("-inf"))
+    z_s = tl.load(part_z_ptr + part, mask=real, other=0.0)
+    dims = tl.arange(0, HEAD_PAD)
+    in_head = dims < HEAD_DIM
+    acc_offs = part[:, None] * HEAD_DIM + dims[None, :]
+    acc_s = tl.load(part_acc_ptr + acc_offs, mask=real[:, None] & in_head[None, :], other=0.0)
+    w = tl.exp2(m_s - tl.max(m_s, axis=0))  # [S], 0 for splits that saw no key
+    out = tl.sum(w[:, None] * acc_s, axis=0) / tl.sum(w * z_s, axis=0)  # [D]
+    o_ptrs = out_ptr + t * stride_ot + h * stride_oh + dims
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=in_head)

@@ -7,9 +7,9 @@ host and copied to the model's device in a handful of transfers.
 
 - `GatherAttention` (the reference, and the CPU's fast path): gathers each sequence's keys into
   a padded [B, Lmax] copy and runs PyTorch's scaled-dot-product attention with a causal mask.
-- `PagedAttention`: reads the page tables directly, one query token at a time
-  (`paged_attention`): the Triton kernel on CUDA, its plain-torch reference elsewhere. Its
-  inputs have shapes fixed by the batch's size alone, which is what CUDA graphs need.
+- `PagedAttention`: reads the page tables directly (`paged_attention`): the Triton kernel on
+  CUDA, its plain-torch reference elsewhere. Its inputs have shapes fixed by the batch's size
+  alone, which is what CUDA graphs need.
 """
 
 from __future__ import annotations
@@ -29,7 +29,11 @@ class GatherPlan:
     """Index tensors of `GatherAttention`: the padded key slots of each sequence, the padded
     query rows, and the causal mask over them. When every sequence appends the same number of
     tokens (what the decoders do) the flat rows already form a [B, T] grid and the query gather
-    is skipped; when moreover T = 1 and all lengths agree, no mask is needed."""
+    is skipped; when moreover T = 1 and all lengths agree, no mask is needed. A prefill of
+    every sequence from an empty cache has no mask either, with tmax > 1: its mask would be
+    exactly SDPA's is_causal (top-left aligned, which only a start at 0 makes right), and
+    without an explicit mask SDPA may pick its flash kernel instead of the O(T^2) float32
+    math one."""
 
     key_slots: torch.Tensor  # [B, Lmax]
     query_index: torch.Tensor | None  # [B, Tmax] rows of the flat batch (padding -> row 0)
@@ -91,7 +95,8 @@ class GatherAttention:
             query_rows = torch.cat(
                 [torch.arange(i * tmax, i * tmax + n) for i, n in enumerate(counts)]
             )
-        if tmax > 1 or min(lengths) != lmax:
+        from_empty = max(starts) == 0 and min(counts) == tmax
+        if (tmax > 1 and not from_empty) or min(lengths) != lmax:
             q_pos = torch.tensor(starts)[:, None] + torch.arange(tmax)[None, :]  # [B, Tmax]
             k_pos = torch.arange(lmax)[None, None, :]
             # Causal; a valid query never sees past its own sequence's end, and padded query
@@ -114,8 +119,9 @@ class GatherAttention:
             queries = q.view(b, p.tmax, *q.shape[1:]).transpose(1, 2)  # [B, nh, T, d]
         else:
             queries = q[p.query_index].transpose(1, 2)  # [B, nh, Tmax, d]
+        causal = p.mask is None and p.tmax > 1  # a prefill from an empty cache (see plan)
         out = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=p.mask, enable_gqa=True
+            queries, keys, values, attn_mask=p.mask, is_causal=causal, enable_gqa=True
         ).transpose(1, 2)  # [B, Tmax, nh, d]
         out = out.reshape(-1, *q.shape[1:])  # [B * Tmax, nh, d]
         return out if p.query_rows is None else out[p.query_rows]  # [total, nh, d] flat order
@@ -138,16 +144,21 @@ class PagedAttention:
     ) -> torch.Tensor:
         assert batch.block_tables is not None and batch.seq_index is not None
         scale = q.shape[-1] ** -0.5
-        return self._fn(
-            q, kv.k[layer], kv.v[layer], batch.block_tables, batch.seq_index,
-            batch.positions, scale,
-        )  # fmt: skip
+        args = (q, kv.k[layer], kv.v[layer], batch.block_tables, batch.seq_index)
+        if self._fn is paged_attention.reference:  # the definition needs no packing hint
+            return self._fn(*args, batch.positions, scale)
+        return self._fn(*args, batch.positions, scale, query_starts=batch.query_starts)
 
 
 ATTENTION = ("auto", "gather", "triton", "reference")
-# Feeds longer than this (prefills) take the gather path even where the paged one is the
-# default: SDPA's tiled kernels read each key once per block of queries, the paged kernel once
-# per query. Decoders' steps (a verify of K + 1 <= 16) stay paged, as CUDA graphs need.
+# Feeds of more tokens than this per sequence (prefills) take the gather path even where the
+# paged one is the default. The paged kernel now packs a sequence's query tokens into 64-row
+# tiles, reading each key once per block of queries as SDPA's tiled kernels do, so it could take
+# chunks over a prefix too (where the gather path's mask sends SDPA to its math kernel). It
+# stays 16 for now because one threshold routes both kinds of prefill (models.llama.plan), and
+# an unchunked prompt from an empty cache is best served by SDPA's flash kernel (is_causal, no
+# mask, see GatherPlan); the graphs' MAX_TOKENS_PER_ROW mirrors it. Decoders' steps (a verify of
+# K + 1 <= 16) stay paged, as CUDA graphs need.
 PAGED_MAX_TOKENS = 16
 
 

@@ -7,20 +7,47 @@ its own sequence at positions 0..positions[t] (its own key is already in the poo
 
 with k_j, v_j read from page block_tables[b, j // page_size], offset j % page_size, kv head
 h // (nh // nkv) (grouped-query attention). One flat batch covers prefill, decode and a
-speculative verify of K+1 tokens alike.
+speculative verify of K+1 tokens alike. Sequence b's tokens are the contiguous flat rows
+query_starts[b] .. query_starts[b + 1] - 1 (ForwardBatch.query_starts).
 
-`reference` is the readable definition in plain torch. `triton_attention` is one Triton kernel
-that reads the page table directly and keeps an online softmax (running max and sum in float32),
-with no host sync, so it can be captured in a CUDA graph. Triton is optional: it is imported only
-when the kernel is first built.
+`reference` is the readable definition in plain torch. `triton_attention` is the fast path, with
+no host sync and a launch fixed by shapes alone, so it can be captured in a CUDA graph. Triton
+is optional: it is imported only when the kernel is first built.
+
+Tiling. A program takes BLOCK_Q query tokens of ONE sequence and the GROUP query heads that
+share one kv head, packed as the M = BLOCK_Q * GROUP (padded to BLOCK_M >= 16) rows of a
+[BLOCK_M, d] tile, so each K/V tile read through the page table serves all of them, and
+q K^T and P V are tensor-core dots ([M, d] x [d, N], [M, N] x [N, d]). Scores run through an
+online softmax in float32. The grid is fixed by shapes alone:
+
+    (total // BLOCK_Q + B q-blocks) x (kv heads) x (S splits),
+
+sequence b owning rows query_starts[b] // BLOCK_Q + b .. (enough for its cdiv(n_b, BLOCK_Q)
+blocks; a program finds its b by binary search, and spare rows exit at once).
+
+Split-KV (flash-decoding). When q-blocks x kv heads cannot fill the GPU, split s of S takes an
+equal share of whole key tiles of 0..max(positions in the q-block), computed on the device, and
+writes its partial state: m_s = max score, z_s = sum_j exp(score_j - m_s),
+acc_s = sum_j exp(score_j - m_s) v_j (an empty split: m_s = -inf, z_s = 0, acc_s = 0). A second
+small kernel merges them exactly:
+
+    out = sum_s exp(m_s - m) acc_s / sum_s exp(m_s - m) z_s,   m = max_s m_s,
+
+since exp(m_s - m) rescales each split's terms to the common max. S = 1 writes out directly.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+# The GPU the engine targets (an H200) when no CUDA device says otherwise: the split count of
+# interpreter runs then matches the one the GPU gets.
+DEFAULT_SMS = 132
+MAX_SPLITS = 16
 
 
 def reference(
@@ -70,35 +97,94 @@ def triton_attention(
     scale: float,
     *,
     out: torch.Tensor | None = None,
+    query_starts: torch.Tensor | None = None,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """Same contract as `reference`, written into `out` [T, nh, d] (a new tensor if None; a
-    fixed one under CUDA-graph capture). One program per (query token, query head); its loop
-    bound is read from `positions` on the device, so the launch depends on shapes only."""
+    fixed one under CUDA-graph capture). `query_starts` [B + 1] (B = block_tables rows); None:
+    derived on the device from seq_index, which must then be sorted. `splits` forces S (tests);
+    None: `plan` picks it from the shapes."""
     out = torch.empty_like(q) if out is None else out
-    _check(q, k_cache, v_cache, block_tables, out)
+    _check(q, k_cache, v_cache, block_tables, out, splits)
     num_tokens, num_heads, head_dim = q.shape
     if num_tokens == 0:
         return out
     _, page_size, num_kv_heads, _ = k_cache.shape
-    _kernel()[(num_tokens, num_heads)](
-        q,
-        k_cache,
-        v_cache,
-        out,
-        block_tables,
-        seq_index,
-        positions,
-        scale,
-        *q.stride()[:2],
-        *out.stride()[:2],
-        *k_cache.stride()[:3],
-        block_tables.stride(0),
-        GROUP=num_heads // num_kv_heads,
-        HEAD_DIM=head_dim,
+    num_seqs = block_tables.shape[0]
+    if query_starts is None:
+        # searchsorted, not bincount + cumsum with a host-read size: no sync, graph-safe
+        rows = torch.arange(num_seqs + 1, dtype=seq_index.dtype, device=seq_index.device)
+        query_starts = torch.searchsorted(seq_index, rows).to(torch.int32)
+    launch = plan(
+        num_tokens, num_seqs, num_heads, num_kv_heads, head_dim,
+        block_tables.shape[1] * page_size, splits=splits, sm_count=_sm_count(q.device),
+    )  # fmt: skip
+    part_acc = part_m = part_z = out  # unused (never dereferenced) when S = 1
+    if launch.splits > 1:
+        part_m = torch.empty(launch.splits, num_tokens, num_heads, device=q.device)
+        part_z = torch.empty_like(part_m)
+        part_acc = torch.empty(*part_m.shape, head_dim, device=q.device)
+    attention_kernel, merge_kernel = _kernels()
+    attention_kernel[launch.grid](
+        q, k_cache, v_cache, out, part_acc, part_m, part_z, block_tables, query_starts,
+        positions, scale * _LOG2_E, num_seqs, num_tokens, *q.stride()[:2], *out.stride()[:2],
+        *k_cache.stride()[:3], block_tables.stride(0),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_PAD=_head_pad(head_dim),
         PAGE_SIZE=page_size,
-        BLOCK_N=_block_n(head_dim),
-    )
+        BLOCK_Q=launch.block_q, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
+        SPLITS=launch.splits, PRECISION=_precision(q.dtype), DOT_FP32=q.device.type != "cuda",
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
+    )  # fmt: skip
+    if launch.splits > 1:
+        merge_kernel[(num_tokens, num_heads)](
+            part_acc, part_m, part_z, out, num_tokens, num_heads, *out.stride()[:2],
+            HEAD_DIM=head_dim, HEAD_PAD=_head_pad(head_dim), SPLITS=launch.splits,
+            SPLITS_PAD=_pow2(launch.splits),
+        )  # fmt: skip
     return out
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How `triton_attention` launches for given shapes (what the AOT compile reproduces)."""
+
+    block_q: int  # query tokens of one sequence per program
+    block_m: int  # tile rows: block_q * GROUP, padded to a power of two >= 16
+    block_n: int  # keys per loop step
+    splits: int  # S, programs sharing one q-block's keys
+    num_warps: int
+    num_stages: int
+    grid: tuple[int, int, int]  # (q-blocks, kv heads, splits)
+
+
+def plan(
+    num_tokens: int,
+    num_seqs: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_keys: int,
+    *,
+    splits: int | None = None,
+    sm_count: int = DEFAULT_SMS,
+) -> Launch:
+    """The launch for a batch of these shapes (never its contents: CUDA graphs replay it).
+
+    A decode step (one token a sequence) gets 16 rows, enough for a GROUP <= 16; a verify
+    (K + 1 tokens) or a prefill chunk gets 64, so a 7-head group's 9-token verify is a single
+    q-block and each K/V tile is read once per (sequence, kv head) instead of once per token
+    and head. S is chosen so programs reach about twice the SMs, at most MAX_SPLITS and at most
+    one split per key tile of the table (`max_keys`)."""
+    group = num_heads // num_kv_heads
+    rows_per_seq = -(-num_tokens // max(num_seqs, 1)) * group
+    block_m = max(16 if rows_per_seq <= 16 else 64, _pow2(group))
+    block_q = block_m // group
+    block_n = 64 if head_dim <= 64 else 32
+    q_blocks = num_tokens // block_q + num_seqs
+    if splits is None:
+        tiles = -(-max_keys // block_n)
+        splits = max(1, min(MAX_SPLITS, tiles, -(-2 * sm_count // (q_blocks * num_kv_heads))))
+    return Launch(block_q, block_m, block_n, splits, 4, 3, (q_blocks, num_kv_heads, splits))
 
 
 def _check(
@@ -107,11 +193,11 @@ def _check(
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     out: torch.Tensor,
+    splits: int | None,
 ) -> None:
-    head_dim, num_kv_heads = q.shape[-1], k_cache.shape[2]
-    if head_dim < 1 or head_dim & (head_dim - 1):
-        # one tl.arange spans the head, and its length must be a power of two
-        raise ValueError(f"head_dim must be a power of two, got {head_dim}")
+    num_kv_heads = k_cache.shape[2]
+    if splits is not None and splits < 1:
+        raise ValueError(f"splits must be >= 1, got {splits}")
     if q.shape[1] % num_kv_heads:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads")
     if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
@@ -125,16 +211,34 @@ def _check(
         raise ValueError("block_tables rows must be contiguous")
 
 
-def _block_n(head_dim: int) -> int:
-    """Keys per loop step: a [BLOCK_N, head_dim] float32 tile of k and one of v stay at 4096
-    elements each (32 registers a thread at 4 warps)."""
-    return max(16, min(64, 4096 // head_dim))
+_LOG2_E = 1.4426950408889634  # the kernel's scores are in base 2 (exp2 is the fast one)
 
 
-def _kernel() -> Any:
-    """The Triton kernel, imported on first use: importing this module must not need Triton,
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _head_pad(head_dim: int) -> int:
+    """The tile's head width: tl.arange spans a power of two, and tl.dot needs K >= 16."""
+    return max(16, _pow2(head_dim))
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """float32 stays float32 in the dots ("ieee"): the GPU checks compare float32 runs with a
+    1e-5 tolerance that TF32's 10-bit mantissa would break. bf16 runs on tensor cores anyway."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _kernels() -> tuple[Any, Any]:
+    """The Triton kernels, imported on first use: importing this module must not need Triton,
     and triton.jit decides between compiler and interpreter when it decorates
     (TRITON_INTERPRET), which happens when `_paged_kernel` is first imported."""
-    from smcspec.models._paged_kernel import paged_attention_kernel
+    from smcspec.models._paged_kernel import merge_splits_kernel, paged_attention_kernel
 
-    return paged_attention_kernel
+    return paged_attention_kernel, merge_splits_kernel

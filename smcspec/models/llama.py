@@ -489,7 +489,8 @@ class RopeTable:
 def random_weights(config: LlamaConfig, device: str | torch.device, seed: int = 0) -> dict:
     """A Hugging Face-named float32 state dict of random weights with `config`'s shapes."""
     c = config
-    g = torch.Generator(device=device).manual_seed(seed)
+    meta = torch.device(device).type == "meta"  # shapes alone (`launches`): no generator there
+    g = None if meta else torch.Generator(device=device).manual_seed(seed)
     h, i, d = c.hidden_size, c.intermediate_size, c.head_dim
 
     def normal(*shape: int) -> torch.Tensor:

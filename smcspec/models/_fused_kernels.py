@@ -1,6 +1,6 @@
 """Triton kernels of a layer's small steps: RMSNorm, residual add + RMSNorm, RoPE with the KV
 write, SiLU x up. Each is one launch where the plain torch code takes 3 to 9 (`fused` wraps
-them as torch custom ops; its plain torch functions are the reference they are tested against).
+them as torch custom ops), and is tested against that torch code (Hugging Face's layers).
 
 Each kernel computes in float32 and rounds to the activations' dtype exactly where the torch
 code does, so that in bf16 it reproduces Hugging Face's rounding:
@@ -172,8 +172,8 @@ def rms_norm(
     *,
     block: int = BLOCK,
 ) -> torch.Tensor:
-    """RMSNorm of x [T, H] times weight [H], into out [T, H] (a new tensor if None).
-    Grid (T,), `block` columns per chunk, NUM_WARPS warps."""
+    """RMSNorm of x [T, H] times weight [H], into out [T, H] (a new tensor if None; not x:
+    the row is read twice). Grid (T,), `block` columns per chunk, NUM_WARPS warps."""
     _check_rows("x", x, weight)
     out = torch.empty_like(x) if out is None else out
     _check_like("out", out, x)

@@ -118,6 +118,7 @@ def triton_attention(
     launch = plan(
         num_tokens, num_seqs, num_heads, num_kv_heads, head_dim,
         block_tables.shape[1] * page_size, splits=splits, sm_count=_sm_count(q.device),
+        dtype=q.dtype,
     )  # fmt: skip
     part_acc = part_m = part_z = out  # unused (never dereferenced) when S = 1
     if launch.splits > 1:
@@ -167,24 +168,33 @@ def plan(
     *,
     splits: int | None = None,
     sm_count: int = DEFAULT_SMS,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> Launch:
     """The launch for a batch of these shapes (never its contents: CUDA graphs replay it).
 
     A decode step (one token a sequence) gets 16 rows, enough for a GROUP <= 16; a verify
     (K + 1 tokens) or a prefill chunk gets 64, so a 7-head group's 9-token verify is a single
     q-block and each K/V tile is read once per (sequence, kv head) instead of once per token
-    and head. S is chosen so programs reach about twice the SMs, at most MAX_SPLITS and at most
-    one split per key tile of the table (`max_keys`)."""
+    and head. float32 (the correctness runs) keeps 16 rows: its exact ("ieee") 64-row dots
+    need more registers than a thread has (ptxas spills kilobytes for sm_90). S is chosen so
+    programs reach about twice the SMs, at most MAX_SPLITS and at most one split per key tile
+    of the table (`max_keys`).
+
+    num_stages: the loads of the next key tiles overlap the dots (cp.async on sm_90); two
+    stages of 16-row tiles already keep ~100 KB in flight an SM (6 CTAs x 16 KB), and a third
+    makes ptxas spill a few bytes; 64-row tiles take three without spilling."""
     group = num_heads // num_kv_heads
     rows_per_seq = -(-num_tokens // max(num_seqs, 1)) * group
-    block_m = max(16 if rows_per_seq <= 16 else 64, _pow2(group))
+    wide = rows_per_seq > 16 and dtype != torch.float32
+    block_m = max(64 if wide else 16, _pow2(group))
     block_q = block_m // group
     block_n = 64 if head_dim <= 64 else 32
     q_blocks = num_tokens // block_q + num_seqs
     if splits is None:
         tiles = -(-max_keys // block_n)
         splits = max(1, min(MAX_SPLITS, tiles, -(-2 * sm_count // (q_blocks * num_kv_heads))))
-    return Launch(block_q, block_m, block_n, splits, 4, 3, (q_blocks, num_kv_heads, splits))
+    stages = 2 if block_m == 16 else 3
+    return Launch(block_q, block_m, block_n, splits, 4, stages, (q_blocks, num_kv_heads, splits))
 
 
 def _check(
@@ -224,9 +234,12 @@ def _head_pad(head_dim: int) -> int:
 
 
 def _precision(dtype: torch.dtype) -> str:
-    """float32 stays float32 in the dots ("ieee"): the GPU checks compare float32 runs with a
-    1e-5 tolerance that TF32's 10-bit mantissa would break. bf16 runs on tensor cores anyway."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+    """float32 keeps about float32's accuracy in the dots: the GPU checks compare float32 runs
+    with a 1e-5 tolerance that one TF32 product (a 10-bit mantissa) would break. "tf32x3" splits
+    each operand into two TF32 parts and adds three tensor-core products (error ~2^-22); "ieee"
+    would be exact but runs on FMA units and spills hundreds of bytes a thread on sm_90. bf16
+    operands are exact on tensor cores already."""
+    return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
 def _sm_count(device: torch.device) -> int:

@@ -190,9 +190,9 @@ def test_launch_is_per_query_block_kv_head_and_split(monkeypatch, splits):
     grid has B spare q-block rows (they exit); S = 1 launches no merge."""
     launches = spy_launches(monkeypatch)
     seqs = ((20, 9), (11, 9), (33, 9))
-    batch = make_batch(16, 14, 2, 64, torch.float32, seed=3, seqs=seqs)
+    batch = make_batch(16, 14, 2, 64, torch.bfloat16, seed=3, seqs=seqs)
     out = triton_attention(**batch, splits=splits)
-    assert_matches(out, reference(**batch), torch.float32)
+    assert_matches(out, reference(**batch), torch.bfloat16)
     q_blocks = 27 // 9 + 3
     expected = [("paged_attention_kernel", (q_blocks, 2, splits))]
     if splits > 1:
@@ -211,6 +211,9 @@ def test_plan_for_the_engine_shapes():
     verify = plan(72, 8, 28, 4, 128, max_keys=32768)
     assert (verify.block_q, verify.block_m) == (9, 64)
     assert verify.grid == (72 // 9 + 8, 4, 5)
+    # 16-row tiles pipeline two key tiles deep, 64-row ones three (no spills for sm_90)
+    assert (decode.num_warps, decode.num_stages, verify.num_stages) == (4, 2, 3)
+    assert plan(72, 8, 28, 4, 128, max_keys=32768, dtype=torch.float32).block_m == 16
     assert plan(1, 1, 28, 4, 128, max_keys=64).splits == 2  # no more splits than key tiles
     assert plan(1, 1, 14, 2, 64, max_keys=32768, splits=3).grid == (1, 2, 3)
 

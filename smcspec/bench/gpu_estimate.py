@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +58,12 @@ class Assumptions:
     kernel_s: float = 2.5e-6
     old_iteration_s: float = 1.7e-6
     new_iteration_s: float = 1.0e-6
-    sample_launches: int = 34
+    flat_sample_launches: int = 34
+    chunked_sample_launches: int = 49
     scan_one_row_s: float = 1.0e-5
     scan_rows_s: float = 1.5e-4
+    chunked_scan_s: float = 2.0e-5
+    logit_passes: int = 15
     host_wait_s: float = 3.0e-4
 
     def __post_init__(self) -> None:
@@ -69,6 +72,23 @@ class Assumptions:
                 raise ValueError(f"{f.name} must be positive, got {getattr(self, f.name)!r}")
         if self.gemm_efficiency > 1:
             raise ValueError(f"gemm_efficiency must be at most 1, got {self.gemm_efficiency}")
+
+
+# The slow end of each range the sources give (ASSUMED values: twice the value), for the
+# targets table's pessimistic column; the rest stay as they are.
+SLOW_END = {
+    "gemm_efficiency": 0.85,
+    "kernel_s": 3.0e-6,
+    "new_iteration_s": 2.0e-6,
+    "scan_one_row_s": 2.0e-5,
+    "scan_rows_s": 2.0e-4,
+    "chunked_scan_s": 4.0e-5,
+    "host_wait_s": 6.0e-4,
+}
+
+
+def slow_end(a: Assumptions) -> Assumptions:
+    return replace(a, **SLOW_END)
 
 
 PREFLIGHT = "the GPU pre-flight review of the CUDA path"
@@ -90,11 +110,19 @@ SOURCES = {
     f"barriers, no pipelining, read off its sm_90 SASS ({PREFLIGHT}, finding 1)",
     "new_iteration_s": "one key block of the new split-KV kernel: one pipelined round trip "
     "(num_stages) and two tl.dot; ASSUMED, to be measured with do_bench on the device",
-    "sample_launches": "kernel-launching ops of one sampling call (law + sample) on the CUDA "
-    "branch: 40 aten ops, 6 of them views, counted on the meta device at commit b5936c1",
+    "flat_sample_launches": "kernel-launching ops of one sampling call (law + sample, one "
+    "float64 scan of the row) on the CUDA branch: 40 aten ops, 6 of them views, counted on the "
+    "meta device at commit b5936c1",
+    "chunked_sample_launches": "the same for the two-level sampler (law + sample_at, chunks of "
+    "~sqrt(V)): counted on the meta device (views and allocations not counted, as "
+    "launches.count_ops)",
     "scan_one_row_s": "float64 CDF scan of one row of 152k logits (CUB's device scan): ASSUMED",
     "scan_rows_s": f"float64 CDF scan at >= 2 rows, one 512-thread block a row: 0.1-0.2 ms "
     f"({PREFLIGHT}, finding 6)",
+    "chunked_scan_s": "the two-level sampler's scans (a chunk sum and scan over ~390 chunks, "
+    "then one chunk of ~390 tokens): ASSUMED a few us each",
+    "logit_passes": f"elementwise passes over the float32 logits per sampling call (temper, "
+    f"log_softmax, nan_to_num, ...): about 15 ({PREFLIGHT}, finding 14)",
     "host_wait_s": f"GPU idle per host wait (blocking copy, then the host loads and launches the "
     f"next graph): 0.3-0.6 ms, low end taken ({PREFLIGHT}, finding 5)",
 }
@@ -149,32 +177,29 @@ class Design:
     launches: Launches
     launches_source: str
     waits_per_round: int  # host waits per sd / smc round
+    chunked_sampling: bool  # two-level CDF inversion (else one float64 scan of the row)
 
 
-OLD_LAUNCHES_PER_LAYER = 34
-OLD_FIXED_LAUNCHES = 14
-OLD_LAUNCHES_SOURCE = (
-    "34 a layer + 14 (embedding, final norm, head), counted with a TorchDispatchMode on the "
-    "meta device at commit b5936c1 (54 aten ops a bf16 layer, 20 of them views)"
-)
+GIVEN_FIXED_LAUNCHES = 6  # embedding, RoPE lookups, final norm, head: count_ops' fused path
 
 
 def per_layer_launches(per_layer: int, fixed: int) -> Launches:
     return lambda shape, rows, t: per_layer * shape.layers + fixed
 
 
-def old_design() -> Design:
-    """The engine before issue 26: per-(token, head) attention, ~34 kernels a layer, a blocking
-    copy of the drafts before each verify besides the round's own sync."""
-    launches = per_layer_launches(OLD_LAUNCHES_PER_LAYER, OLD_FIXED_LAUNCHES)
-    return Design("old", False, launches, OLD_LAUNCHES_SOURCE, waits_per_round=2)
+def old_design(launches: Launches, launches_source: str) -> Design:
+    """The engine before issue 26: per-(token, head) attention, the plain torch layer, a
+    blocking copy of the drafts before each verify besides the round's own wait, one float64
+    scan of the vocabulary per draw."""
+    return Design(
+        "old", False, launches, launches_source, waits_per_round=2, chunked_sampling=False
+    )
 
 
 def new_design(launches: Launches, launches_source: str) -> Design:
-    """Split-KV attention, the engine's own launch count (plus the split merges, `pass_cost`),
-    one host wait a round."""
-
-    return Design("new", True, launches, launches_source, waits_per_round=1)
+    """Split-KV attention (its merges added by `pass_cost`), the fused layer, one host wait a
+    round (asynchronous copies from pinned memory), the two-level sampler."""
+    return Design("new", True, launches, launches_source, waits_per_round=1, chunked_sampling=True)
 
 
 # ---- one forward pass -----------------------------------------------------------------------
@@ -300,10 +325,16 @@ def pass_cost(
     )
 
 
-def sample_s(rows: int, a: Assumptions) -> float:
-    """One sampling call on [rows, V] logits, eager, queued behind the pass it follows."""
-    scan = a.scan_one_row_s if rows == 1 else a.scan_rows_s
-    return a.sample_launches * a.kernel_s + scan
+def sample_s(draws: int, positions: int, vocab: int, design: Design, a: Assumptions) -> float:
+    """One sampling call, eager, queued behind the pass it follows: the law over `positions`
+    rows of logits, then `draws` tokens drawn."""
+    if design.chunked_sampling:
+        launches, scan = a.chunked_sample_launches, a.chunked_scan_s
+    else:
+        launches = a.flat_sample_launches
+        scan = a.scan_one_row_s if draws == 1 else a.scan_rows_s
+    traffic = a.logit_passes * positions * vocab * 4 / a.hbm_bytes_per_s  # float32 logits
+    return launches * a.kernel_s + scan + traffic
 
 
 # ---- rounds ---------------------------------------------------------------------------------
@@ -336,7 +367,8 @@ def round_costs(
     _, n, k = method
 
     def step(shape: ModelShape, rows: int, t: int) -> float:
-        return pass_cost(shape, rows, t, context, design, a).total_s + sample_s(rows, a)
+        drawn = sample_s(rows, rows * t, pair.target.vocab, design, a)
+        return pass_cost(shape, rows, t, context, design, a).total_s + drawn
 
     costs: dict[str, Any] = {"target_one": step(pair.target, 1, 1) + a.host_wait_s}
     if k:
@@ -496,16 +528,31 @@ def _targets_table(
         "",
         "| label | quantity | target | "
         + " | ".join(f"{d.name} design | {d.name} meets" for d in designs)
-        + " |",
-        "|---|---|---|" + "---|---|" * len(designs),
+        + f" | {designs[-1].name}, slow end | meets |",
+        "|---|---|---|" + "---|---|" * (len(designs) + 1),
     ]
+    columns = [(d, a) for d in designs] + [(designs[-1], slow_end(a))]
     for target in TARGETS:
         cells = []
-        for d in designs:
-            value, shown = target.measure(pair, d, a, alpha)
+        for d, assumed in columns:
+            value, shown = target.measure(pair, d, assumed, alpha)
             cells += [shown, "yes" if target.met(value) else "**no**"]
         lines.append(f"| ESTIMATE | {target.what} | {target.goal} | " + " | ".join(cells) + " |")
-    return lines
+    return [*lines, "", _step_budget(pair, designs[-1], a)]
+
+
+def _step_budget(pair: Pair, design: Design, a: Assumptions) -> str:
+    """What the first target leaves the kernels' fixed costs, in the given design."""
+    cost = pass_cost(pair.target, 1, 1, DESIGN_CONTEXT, design, a)
+    budget = 1.3 * floor_s(pair.target, a) - cost.weights_s - cost.attention_s
+    kernels = max(0, int(budget / a.kernel_s))
+    return (
+        f"Slow end: {', '.join(f'{k} = {v:g}' for k, v in SLOW_END.items())}. "
+        f"At 1.3x its floor, a {design.name}-design target step leaves "
+        f"{1e3 * max(budget, 0):.2f} ms for the kernels' fixed costs after its weights and "
+        f"attention: {kernels} kernels at {1e6 * a.kernel_s:g} us "
+        f"({kernels / pair.target.layers:.1f} a layer), against {cost.launches} counted."
+    )
 
 
 def _speed_table(
@@ -597,9 +644,10 @@ def _inputs(designs: tuple[Design, Design], alpha: float, alpha_source: str) -> 
             if d.split_kv
             else "one program per (query token, query head)"
         )
+        sampler = "two-level (chunked)" if d.chunked_sampling else "one float64 scan a row"
         lines.append(
             f"- {d.name} design: attention {attention}; launches: {d.launches_source}; "
-            f"{d.waits_per_round} host wait(s) per sd/smc round."
+            f"{d.waits_per_round} host wait(s) per sd/smc round; sampler {sampler}."
         )
     lines.append(
         "- Not priced: prefill, resampling, the smc first draft step's extra token, eager "

@@ -18,8 +18,8 @@ from smcspec.models.llama import LlamaConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 A = ge.Assumptions()
-OLD = ge.old_design()
-NEW = ge.new_design(ge.per_layer_launches(10, 14), "10 a layer (test)")
+OLD = ge.old_design(ge.per_layer_launches(34, 13), "34 a layer (test)")
+NEW = ge.new_design(ge.per_layer_launches(9, 6), "9 a layer (test)")
 # 2 layers, 4 query heads on 2 kv heads (GROUP 2), head_dim 8: one key's K and V of one kv
 # head are 2 x 8 x 2 = 32 bf16 bytes
 TINY = ge.ModelShape("tiny", 2, 32, 64, 4, 2, 8, 100)
@@ -60,11 +60,25 @@ def test_rows_and_new_tokens_are_not_interchangeable():
     old_rows, old_tokens = kv(9, 1, False), kv(1, 9, False)
     assert new_rows > 8 * new_tokens
     assert old_tokens > old_rows
+    # and a pass prices its own rows and tokens: 9 sequences' keys take longer than one's
+    nine_rows, nine_tokens = (
+        ge.pass_cost(SEVEN_B, r, t, 4096, NEW, A) for r, t in [(9, 1), (1, 9)]
+    )
+    assert nine_rows.attention_s > 2 * nine_tokens.attention_s
 
 
 def test_the_old_kernel_decode_step_is_its_serial_loop():
     # 28 programs (one wave): ceil(513 / 32) = 17 key blocks x 1.7 us, 28 layers
     assert ge.attention_s(SEVEN_B, 1, 1, 512, False, A) == pytest.approx(28 * 17 * 1.7e-6)
+
+
+def test_the_old_kernel_loop_runs_in_waves_of_resident_programs():
+    # one program resident a multiprocessor: 8 x 9 tokens x 28 heads = 2016 programs are 16
+    # waves of 132, each 17 key blocks (ceil(521 / 32)) x 1.7 us, 28 layers
+    one_per_sm = replace(A, ctas_per_sm=1)
+    assert ge.attention_s(SEVEN_B, 8, 9, 512, False, one_per_sm) == pytest.approx(
+        28 * 16 * 17 * 1.7e-6
+    )
 
 
 def test_the_new_kernel_splits_a_decode_step_sixteen_ways():
@@ -104,19 +118,48 @@ def test_sd_gains_with_acceptance_and_smc_does_not_depend_on_it():
     assert len(smc) == 1
 
 
-def test_the_speed_is_the_roofline_round():
-    """smc N=8 K=8 in the new design, its round assembled by hand from the passes."""
+@pytest.mark.parametrize("design,waits", [(OLD, 2), (NEW, 1)], ids=["old", "new"])
+def test_the_speed_is_the_roofline_round(design, waits):
+    """smc N=8 K=8, its round assembled by hand from the passes: the old design waits for the
+    host twice a round (a blocking copy of the drafts, then the round's results), the new once."""
     pair = ge.Pair.load(ge.ESTIMATE_PAIR)
 
     def step(shape, rows, t):
-        return ge.pass_cost(shape, rows, t, 512, NEW, A).total_s + ge.sample_s(rows, A)
+        drawn = ge.sample_s(rows, rows * t, 152064, design, A)
+        return ge.pass_cost(shape, rows, t, 512, design, A).total_s + drawn
 
     ar = step(pair.target, 1, 1) + A.host_wait_s
-    round_s = 8 * step(pair.draft, 8, 1) + step(pair.target, 8, 9) + A.host_wait_s
-    s = ge.speed(pair, ("smc", 8, 8), NEW, A, 0.9, 512)
+    round_s = 8 * step(pair.draft, 8, 1) + step(pair.target, 8, 9) + waits * A.host_wait_s
+    s = ge.speed(pair, ("smc", 8, 8), design, A, 0.9, 512)
     assert s.round_s == pytest.approx(round_s)
     assert s.speedup == pytest.approx(9 * ar / round_s)
     assert s.tokens_per_s == pytest.approx(9 / round_s)
+
+
+def test_a_sampling_call_worked_by_hand():
+    # the verify's call: the law over 8 x 9 positions of 152064 float32 logits, 15 passes
+    # over them, 8 bonus tokens drawn
+    traffic = 15 * 72 * 152064 * 4 / 4.3e12
+    assert ge.sample_s(8, 72, 152064, NEW, A) == pytest.approx(49 * 2.5e-6 + 2e-5 + traffic)
+    # one float64 scan of each row: 0.15 ms at 8 rows, 0.01 ms for one
+    flat = ge.sample_s(8, 72, 152064, OLD, A)
+    assert flat == pytest.approx(34 * 2.5e-6 + 1.5e-4 + traffic)
+    assert ge.sample_s(1, 1, 152064, OLD, A) == pytest.approx(34 * 2.5e-6 + 1e-5 + traffic / 72)
+
+
+def test_the_slow_end_is_slower_everywhere():
+    slow = ge.slow_end(A)
+    assert set(ge.SLOW_END) <= set(ge.SOURCES)
+    pair = ge.Pair.load(ge.ESTIMATE_PAIR)
+    for design in (OLD, NEW):
+        for rows, t in [(1, 1), (8, 9)]:
+            fast, late = (
+                ge.pass_cost(SEVEN_B, rows, t, 2048, design, x).total_s for x in (A, slow)
+            )
+            assert late > fast
+        for method in ge.METHODS:
+            fast, late = (ge.speed(pair, method, design, x, 0.9, 512) for x in (A, slow))
+            assert late.tokens_per_s < fast.tokens_per_s
 
 
 def test_targets_compare_on_the_right_side():
@@ -168,4 +211,5 @@ def test_the_script_writes_the_table_every_row_labelled(tmp_path):
     assert len(data) - len(constants) == len(ge.TARGETS) + 6 + 6 + 8
     assert [r.split(" | ")[0][2:] for r in constants] == list(ge.SOURCES)
     assert "benchmarks/cpu/engine-int8/engine.jsonl" in text
-    assert "10 a layer + 14, GIVEN (--launches-per-layer)" in text
+    assert "10 a layer + 6, GIVEN (--launches-per-layer)" in text
+    assert "launches.count_ops on the meta device, bf16, the plain torch layer" in text

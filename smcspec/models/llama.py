@@ -38,11 +38,12 @@ from smcspec.models.layers import DenseLinear, Int8Linear, make_linear
 Linear = DenseLinear | Int8Linear
 
 SUPPORTED = ("llama", "qwen2", "mistral")
-# Feeds longer than this run as successive passes of at most this many tokens per sequence, so a
-# long prompt never builds its whole [heads, T, T] score matrix: the gather path's SDPA falls to
-# the math kernel, float32 scores, about 120 GB per tensor for a 7B model (28 heads) at 32k
-# tokens, 7 GB for a 2048-token pass over 32k keys. At 2048 rows a pass is still compute-bound
-# (7B on an H200: ~40 ms of matmuls against the 3 ms weight read each extra pass repeats).
+# Feeds longer than this run as successive passes of at most this many tokens per sequence, so
+# no pass builds scores [heads, T, L] over a whole long prompt: SDPA takes its math kernel
+# (float32 scores) whenever the gather path gives it a mask (a pass over a cached prefix, a
+# ragged batch): about 120 GB per tensor for a 7B model (28 heads) at T = L = 32k, 7 GB for a
+# 2048-token pass over 32k keys. At 2048 rows a pass is still compute-bound (7B on an H200:
+# ~40 ms of matmuls against the 3 ms weight read each extra pass repeats).
 PREFILL_CHUNK = 2048
 
 

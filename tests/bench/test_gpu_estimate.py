@@ -14,6 +14,7 @@ import pytest
 from smcspec.bench import gpu_estimate as ge
 from smcspec.bench.gpu import weight_bytes as bench_weight_bytes
 from smcspec.bench.gpu_pairs import load_config
+from smcspec.models import paged_attention
 from smcspec.models.llama import LlamaConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,6 +90,20 @@ def test_the_new_kernel_splits_a_decode_step_sixteen_ways():
     assert ge.attention_s(SEVEN_B, 1, 1, 512, True, A) == pytest.approx(28 * 2 * 1e-6)
     # a 9-token verify of 8 sequences: 64-row tiles (9 tokens x 7 heads), 16 q-block rows
     assert ge.split_launch(SEVEN_B, 8, 9, 512, A).splits == 5  # ceil(264 / (16 x 4))
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-7b-instruct", "qwen2.5-coder-0.5b-instruct"])
+def test_the_split_count_is_the_kernels_own(name):
+    """`split_launch` mirrors `paged_attention.plan` (bf16; the estimate caps the splits by the
+    context's key tiles, where the kernel takes the table's: the same max_keys here)."""
+    shape = ge.ModelShape.load(name)
+    for rows, t, context in [(1, 1, 512), (8, 1, 512), (1, 5, 2048), (8, 9, 2048), (32, 1, 64)]:
+        mine = ge.split_launch(shape, rows, t, context, A)
+        kernel = paged_attention.plan(
+            rows * t, rows, shape.heads, shape.kv_heads, shape.head_dim, context + t
+        )
+        assert (mine.block_q, mine.splits) == (kernel.block_q, kernel.splits), (rows, t, context)
+        assert kernel.block_n == shape.block_n
 
 
 @pytest.mark.parametrize("design", [OLD, NEW], ids=["old", "new"])

@@ -2,36 +2,44 @@
 
 The pairs (`gpu_pairs`) are built from the published config.json files with random weights
 made on the device. For each pair, eager steps and CUDA-graph replays side by side: the
-target's one-token step against its bytes/bandwidth floor, verification at N x (K+1) rows, the
-draft step at batch N, resampling by page tables, KV bytes, and end-to-end tokens/s of ar, sd
-and smc (with transformers' own `generate` for ar).
+target's one-token step against its bytes / read-bandwidth floor, verification at N x (K+1)
+rows, steps at long contexts, the draft step at batch 1..8, resampling by page tables, KV bytes,
+host syncs per round, a long prefill's memory, and end-to-end tokens/s of ar, sd and smc (with
+transformers' own `generate` for ar); alone, the paged-attention kernel and the sampler.
 
 SD's speed depends on its acceptance, which random weights make meaningless; it is reported both
 as measured here and as predicted from this device's step costs with the acceptance measured on
 the real pair (`SD_ACCEPTANCE`). SMC commits K+1 tokens every round whatever the weights.
 
-`run_all` runs the correctness checks (`gpu_checks`) and the bench, and writes the report
-(`gpu_report`).
+`run_all` runs it as stages (`Run`): the correctness checks (`gpu_checks`, in
+`plan.check_dtype`) first, then the probes (`gpu_probes`) and the bench. A stage that raises
+leaves its traceback in the report and the run goes on; what the time budget leaves out is
+reported as not run; gpu.md (`gpu_report`) is rewritten after every stage.
 """
 
 from __future__ import annotations
 
-import statistics
-import time
+import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from smcspec.bench import machine
+from smcspec.bench import gpu_probes as probes
 from smcspec.bench.engine import resample_timing
-from smcspec.bench.gpu_checks import check_correctness, check_triton, correctness
+from smcspec.bench.gpu_checks import (
+    check_triton,
+    graphs_vs_eager,
+    native_vs_transformers,
+    one_token,
+    scheduler_batch,
+)
 from smcspec.bench.gpu_pairs import (
     PAIRS,
     ROLES,
     SD_ACCEPTANCE,
+    Deadline,
     GpuPlan,
     Method,
     Pair,
@@ -42,45 +50,30 @@ from smcspec.bench.gpu_pairs import (
     pair_llm,
     replays,
 )
-from smcspec.bench.gpu_report import run_header, write_report
-from smcspec.bench.results import ResultLog
+from smcspec.bench.gpu_probes import timed
+from smcspec.bench.gpu_run import BAD_OPTIONS, CRASHED, Outcome, Run
 from smcspec.bench.roofline import time_forward
 from smcspec.engine.llm import LLM
+from smcspec.models import paged_attention
 from smcspec.models.llama import LlamaConfig
 
-__all__ = [  # the names callers imported from here before the split
+__all__ = [  # the names callers import from here
+    "BAD_OPTIONS",
+    "CRASHED",
     "PAIRS",
     "GpuPlan",
     "Outcome",
     "build_pair",
-    "check_correctness",
     "run_all",
+    "sd_tokens_per_round",
+    "timed",
+    "weight_bytes",
 ]
 
-
-# ---- timing ---------------------------------------------------------------------------------
-
-
-def timed(fn: Callable[[], Any], reps: int) -> float:
-    """Median seconds of `reps` calls of fn after one untimed warm-up, the GPU drained before
-    each clock read (`machine.drain`)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        machine.drain()
-        start = time.perf_counter()
-        fn()
-        machine.drain()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+SYNC_METHODS = (("sd", 1, 4), ("smc", 8, 8))  # host syncs counted for these (the targets')
 
 
-def copy_bandwidth(device: str, nbytes: int, reps: int) -> float:
-    """Bytes per second a device-to-device copy moves (each byte read once, written once)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    seconds = timed(lambda: dst.copy_(src), max(3, reps))
-    return 2 * nbytes / seconds
+# ---- one pair's measurements ----------------------------------------------------------------
 
 
 def weight_bytes(config: LlamaConfig, dtype: str) -> int:
@@ -97,14 +90,29 @@ def weight_bytes(config: LlamaConfig, dtype: str) -> int:
 # ---- the bench ------------------------------------------------------------------------------
 
 
-def step_ms(llm: LLM, context: list[int], plan: GpuPlan) -> dict[str, float]:
-    """Median milliseconds of each forward shape the decoders use."""
-    ms = {"target step": 1e3 * time_forward(llm.target, context, 1, 1, plan.reps)}
-    for n, t in plan.verify:
-        ms[f"verify {n}x{t}"] = 1e3 * time_forward(llm.target, context, n, t, plan.reps)
-    for n in plan.draft_batches:
-        ms[f"draft step batch {n}"] = 1e3 * time_forward(llm.draft, context, n, 1, plan.reps)
-    return ms
+def step_ms(llm: LLM, context: list[int], plan: GpuPlan, deadline: Deadline) -> dict:
+    """Median milliseconds of each forward shape the decoders use; None for the shapes the
+    deadline left out."""
+    shapes = [("target step", llm.target, 1, 1)]
+    shapes += [(f"verify {n}x{t}", llm.target, n, t) for n, t in plan.verify]
+    shapes += [(f"draft step batch {n}", llm.draft, n, 1) for n in plan.draft_batches]
+    return {
+        row: None if deadline.passed() else 1e3 * time_forward(lm, context, n, t, plan.reps)
+        for row, lm, n, t in shapes
+    }
+
+
+def long_context_ms(llm: LLM, plan: GpuPlan, deadline: Deadline) -> dict:
+    """At each of plan.long_contexts keys: a one-token target step and an 8 x 9 verify."""
+    g = torch.Generator().manual_seed(plan.seed + 4)
+    out: dict[str, float | None] = {}
+    for length in plan.long_contexts:
+        context = torch.randint(0, llm.target.vocab_size, (length,), generator=g).tolist()
+        for row, n, t in (("target step", 1, 1), ("verify 8x9", 8, 9)):
+            skip = deadline.passed()
+            ms = None if skip else 1e3 * time_forward(llm.target, context, n, t, plan.reps)
+            out[f"{row} at {length}"] = ms
+    return out
 
 
 def round_ms(llm: LLM, context: list[int], plan: GpuPlan, n: int, k: int) -> float:
@@ -146,8 +154,10 @@ def e2e(llm: LLM, prompt: list[int], method: Method, plan: GpuPlan) -> dict[str,
     }
 
 
-def hf_generate(hf: Any, prompt: list[int], plan: GpuPlan) -> dict[str, float]:
-    """transformers' own eager greedy `generate`, EOS held off: new tokens per second."""
+def hf_generate(pair: Pair, prompt: list[int], plan: GpuPlan) -> dict[str, float]:
+    """transformers' own eager greedy `generate` of the target, EOS held off: new tokens per
+    second."""
+    hf = hf_model(pair, "target", plan)
     ids = torch.tensor([prompt], device=plan.device)
     kw = {"attention_mask": torch.ones_like(ids), "do_sample": False, "pad_token_id": 0}
 
@@ -158,44 +168,6 @@ def hf_generate(hf: Any, prompt: list[int], plan: GpuPlan) -> dict[str, float]:
     run(4)
     seconds = timed(lambda: run(plan.new_tokens), 1)
     return {"tokens_per_second": plan.new_tokens / seconds}
-
-
-def run_pair(pair: Pair, plan: GpuPlan, log: ResultLog, deadline: float) -> list[str]:
-    """Every measurement of one pair into `log`; returns what the deadline made it skip."""
-    g = torch.Generator().manual_seed(plan.seed)
-    vocab = pair.configs["target"]["vocab_size"]
-    context = torch.randint(0, vocab, (plan.context,), generator=g).tolist()
-    prompt = context[: plan.prompt_tokens]
-    log.add(f"floor|{pair.name}", {"pair": pair.name, **step_floor(pair.target.config, plan)})
-    skipped: list[str] = []
-    for graphs in (False, True):
-        mode = "graphs" if graphs else "eager"
-        llm = pair_llm(pair, graphs, plan)
-        steps = {"pair": pair.name, "mode": mode, "ms": step_ms(llm, context, plan)}
-        log.add(f"steps|{pair.name}|{mode}", steps)
-        if graphs:  # the engine as it runs on a GPU
-            # bench engine's timing: its plan fields are this plan's
-            log.add(f"resample|{pair.name}", {"ms": resample_timing(llm, context, plan)})
-            log.add(f"kv|{pair.name}", kv_memory(llm, prompt, plan))
-            log.add(f"sd-predicted|{pair.name}", sd_predicted(llm, context, plan))
-        for method in plan.methods:
-            key = f"e2e|{pair.name}|{mode}|{label(method)}"
-            if time.monotonic() > deadline:
-                skipped.append(f"{pair.name} {mode} {label(method)} (time budget)")
-                continue
-            log.add(key, {"mode": mode, "label": label(method), **e2e(llm, prompt, method, plan)})
-        log.add(f"replays|{pair.name}|{mode}", {"replays": replays(llm)})
-    if time.monotonic() > deadline:
-        return [*skipped, f"{pair.name} transformers generate (time budget)"]
-    log.add(f"hf|{pair.name}", hf_generate(hf_model(pair, "target", plan), prompt, plan))
-    return skipped
-
-
-def step_floor(config: LlamaConfig, plan: GpuPlan) -> dict[str, float]:
-    """A target step cannot beat reading its weights once at the device's copy bandwidth."""
-    moved = copy_bandwidth(plan.device, plan.copy_bytes, plan.reps)  # read + write bytes/s
-    nbytes = weight_bytes(config, plan.dtype)
-    return {"copy_bytes_per_s": moved, "weight_bytes": nbytes, "floor_ms": 2e3 * nbytes / moved}
 
 
 def sd_predicted(llm: LLM, context: list[int], plan: GpuPlan) -> dict[str, float]:
@@ -228,45 +200,156 @@ def sd_tokens_per_round(alpha: float, k: int) -> float:
     return (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
-@dataclass
-class Outcome:
-    failures: list[str]  # correctness checks that failed
-    skipped: list[str]  # what the time budget left out
-    report: str  # the Markdown written to gpu.md
+# ---- a run: stages --------------------------------------------------------------------------
 
 
 def run_all(
     plan: GpuPlan, out_dir: str | Path, only: str | None = None, budget_s: float | None = None
 ) -> Outcome:
-    """The Triton check (on CUDA), then per pair: build, `correctness` (only="correctness"),
-    the bench (only="bench"), free. Writes gpu.jsonl (afresh) and gpu.md to out_dir."""
-    deadline = time.monotonic() + (budget_s if budget_s is not None else float("inf"))
-    path = Path(out_dir) / "gpu.jsonl"
-    path.unlink(missing_ok=True)
-    log = ResultLog(path, run_header(plan))
-    failures, skipped = [], []
-    if only != "bench" and torch.device(plan.device).type == "cuda":
-        failures += check_triton(plan.device, plan.seed)
-        log.add("triton", {"ok": not failures, "failures": failures})
+    """The correctness checks (only="correctness"), then the probes and the bench
+    (only="bench"), each part a stage; gpu.jsonl (afresh) and gpu.md in out_dir. `budget_s`
+    seconds from now, stages and the rows inside step grids stop starting."""
+    run = Run(plan, out_dir, Deadline.after(budget_s))
+    try:
+        if only != "bench":
+            check_all(run)
+        if only != "correctness":
+            bench_all(run)
+    finally:
+        run.log.add("skipped", {"skipped": run.unchecked + run.skipped})
+        run.write()
+    skipped = run.unchecked + run.skipped
+    return Outcome(run.failures, skipped, run.report, run.crashed, run.unchecked)
+
+
+def check_all(run: Run) -> None:
+    """The Triton kernel (on CUDA), then per pair, built in plan.check_dtype: native against
+    transformers (each model once), graphs against eager, the scheduler, one new token."""
+    plan = dataclasses.replace(
+        run.plan, dtype=run.plan.check_dtype, qk_scale=run.plan.check_qk_scale
+    )
+    if torch.device(plan.device).type == "cuda":
+        run.checks("triton kernel vs reference", check_triton, plan.device, plan.seed)
     checked: set[str] = set()  # a model shared by two pairs is checked once
     for name in plan.pairs:
-        if time.monotonic() > deadline:
-            skipped.append(f"{name}: everything (time budget)")
-            continue
-        pair = build_pair(plan, name)
-        if only != "bench":
-            models = dict(zip(ROLES, PAIRS[name], strict=True))
-            roles = tuple(r for r in ROLES if models[r] not in checked)
-            checked |= set(PAIRS[name])
-            for row in correctness(pair, plan, roles):
-                log.add(f"check|{row['check']}", row)
-                failures += [] if row["ok"] else [row["failure"]]
-        if only != "correctness":
-            skipped += run_pair(pair, plan, log, deadline)
+        models = dict(zip(ROLES, PAIRS[name], strict=True))
+        roles = tuple(r for r in ROLES if models[r] not in checked)
+        checked |= set(PAIRS[name])
+        pair = run.stage(
+            f"{name}: build for the checks ({plan.dtype})", build_pair, plan, name, checks=True
+        )
+        parts: list[tuple[str, Callable[..., list[dict]], tuple]] = [
+            *(
+                (f"{name} {role} vs transformers", native_vs_transformers, (role,))
+                for role in roles
+            ),
+            (f"{name} graphs vs eager", graphs_vs_eager, (run.deadline,)),
+            (f"{name} scheduler", scheduler_batch, ()),
+            (f"{name} one new token", one_token, ()),
+        ]
+        for stage, fn, args in parts:
+            if pair is None:
+                run.not_run(stage, _why_not_built(run), checks=True)
+            else:
+                run.checks(stage, fn, pair, plan, *args)
         del pair
         _free(plan.device)
-    log.add("skipped", {"skipped": skipped})
-    return Outcome(failures, skipped, write_report(out_dir))
+
+
+def bench_all(run: Run) -> None:
+    """The read bandwidth, the kernel and the sampler alone, then each pair's bench."""
+    plan = run.plan
+    bandwidth = run.record("bandwidth", "read bandwidth", probes.read_bandwidth, plan)
+    run.record("kernel", "paged attention alone", kernel_ms, plan, run.deadline)
+    rows, vocab = plan.sample_shape
+    run.record("sample", "sampling.sample alone", probes.sample_ms, rows, vocab, plan)
+    for name in plan.pairs:
+        bench_pair(run, name, bandwidth)
+        _free(plan.device)
+
+
+def kernel_ms(plan: GpuPlan, deadline: Deadline) -> dict:
+    """`triton_attention` alone on each of plan.kernel_cases (the paged reference off CUDA)."""
+    cuda = torch.device(plan.device).type == "cuda"
+    kernel = paged_attention.triton_attention if cuda else paged_attention.reference
+    ms = {
+        _case(c): None
+        if deadline.passed()
+        else probes.attention_ms(kernel, c, plan.kernel_heads, plan)
+        for c in plan.kernel_cases
+    }
+    return {"kernel": kernel.__name__, "heads": list(plan.kernel_heads), "ms": ms}
+
+
+def _case(case: tuple[int, int, int]) -> str:
+    seqs, tokens, keys = case
+    return f"{seqs} x {tokens} at {keys}"
+
+
+def bench_pair(run: Run, name: str, bandwidth: dict | None) -> None:
+    plan = run.plan
+    pair = run.stage(f"{name}: build for the bench ({plan.dtype})", build_pair, plan, name)
+    if pair is None:
+        run.not_run(f"{name}: bench", _why_not_built(run))
+        return
+    g = torch.Generator().manual_seed(plan.seed)
+    vocab = pair.configs["target"]["vocab_size"]
+    context = torch.randint(0, vocab, (plan.context,), generator=g).tolist()
+    prompt = context[: plan.prompt_tokens]
+    c = pair.target.config
+    shape = {"heads": [c.num_heads, c.num_kv_heads, c.head_dim], "layers": c.num_layers}
+    nbytes = weight_bytes(c, plan.dtype)
+    floor = {"pair": name, "weight_bytes": nbytes, **shape}
+    if bandwidth is not None:
+        floor |= {**bandwidth, "floor_ms": probes.step_floor(nbytes, bandwidth["read_bytes_per_s"])}
+    run.log.add(f"floor|{name}", floor)
+    for graphs in (False, True):
+        mode = "graphs" if graphs else "eager"
+        llm = run.stage(f"{name} {mode}: engine", pair_llm, pair, graphs, plan)
+        if llm is None:
+            continue
+        steps = run.stage(f"{name} {mode}: step grid", step_ms, llm, context, plan, run.deadline)
+        if steps is not None:
+            run.log.add(f"steps|{name}|{mode}", {"pair": name, "mode": mode, "ms": steps})
+        if graphs:  # the engine as it runs on a GPU
+            _graph_probes(run, name, llm, context, prompt)
+        for method in plan.methods:
+            key = f"e2e|{name}|{mode}|{label(method)}"
+            record = run.stage(f"{name} {mode}: {label(method)}", e2e, llm, prompt, method, plan)
+            if record is not None:
+                run.log.add(key, {"mode": mode, "label": label(method), **record})
+        run.log.add(f"replays|{name}|{mode}", {"replays": replays(llm)})
+        del llm
+    run.record(f"hf|{name}", f"{name}: transformers generate", hf_generate, pair, prompt, plan)
+
+
+def _graph_probes(run: Run, name: str, llm: LLM, context: list[int], prompt: list[int]) -> None:
+    plan = run.plan
+    run.record(
+        f"long|{name}", f"{name}: long-context steps", long_context_ms, llm, plan, run.deadline
+    )
+    # bench engine's timing: its plan fields are this plan's
+    run.record(f"resample|{name}", f"{name}: resampling", resample_timing, llm, context, plan)
+    run.record(f"kv|{name}", f"{name}: KV memory", kv_memory, llm, prompt, plan)
+    run.record(f"sd-predicted|{name}", f"{name}: sd predicted", sd_predicted, llm, context, plan)
+    for method in (m for m in plan.methods if m in SYNC_METHODS):
+        key, what = f"syncs|{name}|{label(method)}", f"{name}: syncs per round, {label(method)}"
+        run.record(key, what, probes.syncs_per_round, llm, prompt, method, plan)
+    run.record(
+        f"sdpa|{name}",
+        f"{name}: SDPA backends",
+        probes.prefill_backends,
+        llm,
+        plan.prefill_prompts,
+        plan,
+    )
+    run.record(
+        f"prefill|{name}", f"{name}: long prefill", probes.long_prefill, llm, plan.long_prompt, plan
+    )
+
+
+def _why_not_built(run: Run) -> str:
+    return "time budget" if run.deadline.passed() else "the pair's build raised"
 
 
 def _free(device: str) -> None:

@@ -9,6 +9,8 @@ and the same script runs on any machine.
 from __future__ import annotations
 
 import json
+import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,12 +56,21 @@ Method = tuple[str, int, int]  # (method, N, K)
 class GpuPlan:
     pairs: tuple[str, ...] = tuple(PAIRS)
     device: str = "cuda"
-    dtype: str = "bfloat16"
+    dtype: str = "bfloat16"  # the bench's
+    qk_scale: float = QK_SCALE  # the bench's (speed does not depend on it)
+    # The correctness checks'. Peaked attention turns rounding into flips between near-tied
+    # keys that grow layer by layer: native vs transformers, 0.5B shape, float32 on the CPU,
+    # 32 tokens: at 8x, 2e-5 nats after 2 layers, 1.5e-3 after 8, 3.7e-2 after 24; at 2x,
+    # 7e-6 after 8 and 24 layers. bf16 at 8x: 3 nats (the pre-flight review). So float32 at
+    # 2x, where a tolerance of 1e-3 leaves 100x margin and still sees an attention bug.
+    check_dtype: str = "float32"
+    check_qk_scale: float = 2.0
     attention: str = "auto"
     tiny: bool = False  # shrink every config to TINY
     context: int = 512
     verify: tuple[tuple[int, int], ...] = ((1, 4), (2, 4), (4, 4), (4, 9), (8, 9), (16, 9))
-    draft_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    draft_batches: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
+    long_contexts: tuple[int, ...] = (2048, 4096)  # a step and an 8x9 verify at each (graphs)
     methods: tuple[Method, ...] = (
         ("ar", 1, 0),
         ("sd", 1, 4),
@@ -75,7 +86,20 @@ class GpuPlan:
     temperature: float = SamplingConfig.temperature
     reps: int = 10
     check_tokens: int = 64
-    copy_bytes: int = 1 << 31
+    bandwidth_bytes: int = 1 << 31  # read by `x.sum()`: well past the 60 MB L2
+    # The paged-attention kernel alone: (sequences, query tokens each, keys each) on
+    # kernel_heads (query heads, kv heads, head_dim: Qwen2.5-7B's).
+    kernel_cases: tuple[tuple[int, int, int], ...] = (
+        (1, 1, 512),
+        (1, 1, 4096),
+        (8, 9, 512),
+        (8, 9, 2048),
+    )
+    kernel_heads: tuple[int, int, int] = (28, 4, 128)
+    sample_shape: tuple[int, int] = (8, 152064)  # `sampling.sample` on [N, Qwen2.5-7B's vocab]
+    prefill_prompts: tuple[int, ...] = (511, 4096)  # the SDPA backend of each prefill
+    long_prompt: int = 32000  # one prefill: peak memory
+    sync_tokens: int = 64  # host syncs per round: runs of sync_tokens / 2 and sync_tokens
     num_pages: int = 4096
     seed: int = 0
 
@@ -83,11 +107,17 @@ class GpuPlan:
         for name in self.pairs:
             if name not in PAIRS:
                 raise ValueError(f"pairs: unknown pair {name!r} (known: {', '.join(PAIRS)})")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        for name in ("dtype", "check_dtype"):
+            if getattr(self, name) not in ("float32", "bfloat16"):
+                raise ValueError(f"{name} must be float32 or bfloat16, got {getattr(self, name)!r}")
         for name in ("context", "prompt_tokens", "new_tokens", "reps", "check_tokens"):
             if getattr(self, name) < (2 if name in ("context", "check_tokens") else 1):
                 raise ValueError(f"{name} is too small: {getattr(self, name)}")
+        for name in ("qk_scale", "check_qk_scale"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.sync_tokens < 4:
+            raise ValueError(f"sync_tokens is too small: {self.sync_tokens}")
         for method, n, k in self.methods:
             if method not in ("ar", "sd", "smc") or n < 1 or (method != "ar" and k < 1):
                 raise ValueError(f"methods: bad entry {(method, n, k)}")
@@ -98,20 +128,42 @@ class GpuPlan:
         return cls(
             device="cpu",
             dtype="float32",
+            check_qk_scale=QK_SCALE,  # 2 layers: 8x stays within 1e-4
             attention="reference",
             tiny=True,
             context=32,
             verify=((1, 4), (2, 4), (2, 9)),
             draft_batches=(1, 2, 4),
+            long_contexts=(48,),
             methods=(("ar", 1, 0), ("sd", 1, 4), ("smc", 2, 4), ("smc", 8, 8)),
             prompt_tokens=16,
             new_tokens=8,
             resample_tokens=16,
             reps=1,
             check_tokens=12,
-            copy_bytes=1 << 24,
+            bandwidth_bytes=1 << 24,
+            kernel_cases=((1, 1, 32), (8, 9, 32)),
+            kernel_heads=(4, 2, 16),
+            sample_shape=(8, 512),
+            prefill_prompts=(20,),
+            long_prompt=64,
+            sync_tokens=20,
             num_pages=512,
         )
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """The run's time budget as a point on the monotonic clock (inf: none)."""
+
+    at: float
+
+    @classmethod
+    def after(cls, seconds: float | None) -> Deadline:
+        return cls(time.monotonic() + (math.inf if seconds is None else seconds))
+
+    def passed(self) -> bool:
+        return time.monotonic() > self.at
 
 
 @dataclass
@@ -121,6 +173,7 @@ class Pair:
     target: LlamaModel
     draft: LlamaModel
     seeds: dict[str, int]  # role -> seed of its random weights
+    qk_scale: float = QK_SCALE  # of `pair_weights`
 
 
 def load_config(name: str, tiny: bool = False) -> dict:
@@ -132,8 +185,10 @@ def load_config(name: str, tiny: bool = False) -> dict:
     return cfg
 
 
-def pair_weights(config: LlamaConfig, device: str | torch.device, seed: int) -> dict:
-    """`random_weights` with q_proj and k_proj (weights and biases) scaled by QK_SCALE: the
+def pair_weights(
+    config: LlamaConfig, device: str | torch.device, seed: int, qk_scale: float = QK_SCALE
+) -> dict:
+    """`random_weights` with q_proj and k_proj (weights and biases) scaled by qk_scale: the
     state dict both the native and the transformers model of a pair load.
 
     N(0, 0.02) weights give attention scores so small that attention is near uniform, and an
@@ -145,7 +200,7 @@ def pair_weights(config: LlamaConfig, device: str | torch.device, seed: int) -> 
     weights = random_weights(config, device, seed)
     for name, tensor in weights.items():
         if ".q_proj." in name or ".k_proj." in name:
-            tensor.mul_(QK_SCALE)  # a power of two: exact in bf16 too
+            tensor.mul_(qk_scale)  # a power of two: exact in bf16 too
     return weights
 
 
@@ -157,12 +212,12 @@ def build_pair(plan: GpuPlan, name: str) -> Pair:
     configs["draft"]["vocab_size"] = configs["target"]["vocab_size"]
     seeds = {"target": plan.seed, "draft": plan.seed + 1}
     target, draft = (native_model(configs[role], plan, seeds[role]) for role in ROLES)
-    return Pair(name, configs, target, draft, seeds)
+    return Pair(name, configs, target, draft, seeds, plan.qk_scale)
 
 
 def native_model(cfg: dict, plan: GpuPlan, seed: int) -> LlamaModel:
     config = LlamaConfig.from_hf(cfg)
-    weights = pair_weights(config, plan.device, seed)
+    weights = pair_weights(config, plan.device, seed, plan.qk_scale)
     return LlamaModel(config, weights, plan.dtype, plan.device, attention=plan.attention)
 
 
@@ -190,7 +245,7 @@ def hf_model(pair: Pair, role: str, plan: GpuPlan) -> Any:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = {k: v for k, v in pair.configs[role].items() if k not in ("torch_dtype", "dtype")}
-    weights = pair_weights(LlamaConfig.from_hf(cfg), plan.device, pair.seeds[role])
+    weights = pair_weights(LlamaConfig.from_hf(cfg), plan.device, pair.seeds[role], pair.qk_scale)
     with torch.device(plan.device):
         hf = Qwen2ForCausalLM(Qwen2Config(**cfg))
     missing, unexpected = hf.load_state_dict(weights, strict=False)

@@ -20,6 +20,7 @@ from smcspec.bench.gpu_pairs import (
     GpuPlan,
     load_config,
 )
+from smcspec.bench.gpu_targets import targets_table
 from smcspec.bench.results import header, measurements
 
 
@@ -54,22 +55,56 @@ def write_report(out_dir: str | Path) -> str:
         f"# Native engine on {hdr['device_name']} ({plan['dtype']}, attention {plan['attention']})",
         "",
         f"{machine.one_line(hdr['machine'])}. Random N(0, 0.02) weights of the published "
-        "configs, q and k projections 8x larger (peaked attention). Forward passes: a cache "
-        f"of {plan['context']} tokens, median of "
+        f"configs, q and k projections {plan['qk_scale']:g}x larger (peaked attention; "
+        f"{plan['check_qk_scale']:g}x and {plan['check_dtype']} for the correctness checks). "
+        f"Forward passes: a cache of {plan['context']} tokens, median of "
         f"{plan['reps']} timings after a warm-up, the device synchronised at each clock read. "
         f"End to end: a prompt of {plan['prompt_tokens']} random tokens, {plan['new_tokens']} "
         f"new tokens (EOS ignored), T={plan['temperature']}, seed {plan['seed']}, one request; "
         "tok/s includes the prefill, decode tok/s does not.",
     ]
+    lines += _targets_report(hdr, records)
     for name in plan["pairs"]:
         lines += _pair_report(name, hdr, records)
+    lines += _alone_report(records)
     lines += _checks_report(records)
-    skipped = records.get("skipped", {}).get("skipped", [])
-    if skipped:
-        lines += ["", "Skipped: " + "; ".join(skipped) + "."]
+    lines += _not_run_report(records)
     text = "\n".join(lines) + "\n"
     (out / "gpu.md").write_text(text)
     return text
+
+
+def _targets_report(hdr: dict, records: dict[str, dict]) -> list[str]:
+    return ["", "## Targets", "", *targets_table(hdr["plan"]["pairs"], records)]
+
+
+def _alone_report(records: dict[str, dict]) -> list[str]:
+    """The paged-attention kernel and the sampler timed alone, and the read bandwidth."""
+    kernel, sample, bandwidth = (
+        records.get("kernel"),
+        records.get("sample"),
+        records.get("bandwidth"),
+    )
+    if not (kernel or sample or bandwidth):
+        return []
+    lines = ["", "## Alone", ""]
+    if bandwidth:
+        lines.append(
+            f"Read bandwidth: {bandwidth['read_bytes_per_s'] / 1e9:.0f} GB/s (`x.sum()` over "
+            f"{bandwidth['read_bytes'] / 2**30:.1f} GiB of float32, median)."
+        )
+    if sample:
+        lines.append(f"`sampling.sample`: {_ms(sample['value'])} ms (median).")
+    if kernel:
+        nh, nkv, d = kernel["heads"]
+        lines += [
+            "",
+            f"| `{kernel['kernel']}` ({nh}/{nkv} heads, head_dim {d}): sequences x query "
+            "tokens at keys | ms, one layer |",
+            "|---|---|",
+            *(f"| {case} | {_ms(ms)} |" for case, ms in kernel["ms"].items()),
+        ]
+    return lines
 
 
 def _pair_report(name: str, hdr: dict, records: dict[str, dict]) -> list[str]:
@@ -83,23 +118,72 @@ def _pair_report(name: str, hdr: dict, records: dict[str, dict]) -> list[str]:
     ]
     eager = records.get(f"steps|{name}|eager", {}).get("ms", {})
     graphs = records.get(f"steps|{name}|graphs", {}).get("ms", {})
-    if not eager:
-        return [*lines, "", "Not measured (time budget or --only correctness)."]
-    lines += ["", "| forward pass (ms) | eager | graphs | eager / graphs |", "|---|---|---|---|"]
-    for row, ms in eager.items():
-        g = graphs.get(row)
-        lines.append(f"| {row} | {_ms(ms)} | {_ms(g)} | {_x(ms / g if g else None)} |")
-    floor = records[f"floor|{name}"]
-    best = min(v for v in (eager["target step"], graphs.get("target step")) if v)
-    lines += [
+    if eager or graphs:
+        lines += [
+            "",
+            "| forward pass (ms) | eager | graphs | eager / graphs |",
+            "|---|---|---|---|",
+        ]
+    for row in dict.fromkeys([*eager, *graphs]):
+        e, g = eager.get(row), graphs.get(row)
+        lines.append(f"| {row} | {_ms(e)} | {_ms(g)} | {_x(e / g if e and g else None)} |")
+    lines += _floor_line(name, eager, graphs, records)
+    long = records.get(f"long|{name}")
+    if long:
+        lines += ["", "| at long contexts (graphs, ms) | |", "|---|---|"]
+        lines += [f"| {row} | {_ms(ms)} |" for row, ms in long.items() if row != "key"]
+    lines += _memory_lines(name, hdr, records)
+    lines += _engine_probe_lines(name, records)
+    return lines + _e2e_lines(name, hdr, records)
+
+
+def _floor_line(name: str, eager: dict, graphs: dict, records: dict[str, dict]) -> list[str]:
+    floor = records.get(f"floor|{name}", {})
+    if "floor_ms" not in floor:
+        return []
+    steps = [v for v in (eager.get("target step"), graphs.get("target step")) if v]
+    best = f"; the best step is {min(steps) / floor['floor_ms']:.2f}x the floor" if steps else ""
+    return [
         "",
         f"Floor of a target step: {floor['weight_bytes'] / 1e9:.2f} GB of weights at "
-        f"{floor['copy_bytes_per_s'] / 2e9:.0f} GB/s (half the bytes/s a device-to-device copy "
-        f"moves) = {_ms(floor['floor_ms'])} ms; the best step is {best / floor['floor_ms']:.2f}x "
-        "the floor.",
+        f"{floor['read_bytes_per_s'] / 1e9:.0f} GB/s (a read-only reduction over "
+        f"{floor['read_bytes'] / 2**30:.1f} GiB) = {_ms(floor['floor_ms'])} ms{best}.",
     ]
-    lines += _memory_lines(name, hdr, records)
-    return lines + _e2e_lines(name, hdr, records)
+
+
+def _engine_probe_lines(name: str, records: dict[str, dict]) -> list[str]:
+    """Host syncs per round, the SDPA backends of prefills, the long prefill's memory."""
+    lines = []
+    syncs = {k.split("|")[2]: r for k, r in records.items() if k.startswith(f"syncs|{name}|")}
+    for method, r in syncs.items():
+        calls = ", ".join(f"{c} {n:.2f}" for c, n in sorted(r["calls_per_round"].items()))
+        lines.append(
+            f"Host syncs per {method} round (graphs, torch.profiler, {r['rounds']} rounds): "
+            f"{r['syncs_per_round']:.2f} (runtime calls per round: {calls or 'none'})."
+        )
+    sdpa = records.get(f"sdpa|{name}")
+    if sdpa:
+        chosen = "; ".join(
+            f"{n} tokens: {', '.join(b) or 'no SDPA call'}" for n, b in sdpa.items() if n != "key"
+        )
+        lines.append(f"SDPA backend of a prefill from an empty cache: {chosen}.")
+    prefill = records.get(f"prefill|{name}")
+    if prefill:
+        lines.append(_prefill_line(prefill))
+    return ["", *lines] if lines else []
+
+
+def _prefill_line(r: dict) -> str:
+    head = f"One prefill of {r['tokens']} tokens (target): "
+    if not r["fits"]:
+        return head + f"**out of memory** ({r.get('error', '')})."
+    memory = ""
+    if "peak_bytes" in r:
+        memory = (
+            f", peak {r['peak_bytes'] / 2**30:.1f} GiB of {r['device_bytes'] / 2**30:.0f} "
+            f"({r['before_bytes'] / 2**30:.1f} GiB before)"
+        )
+    return head + f"{r['seconds']:.2f} s{memory}."
 
 
 def _memory_lines(name: str, hdr: dict, records: dict[str, dict]) -> list[str]:
@@ -111,7 +195,7 @@ def _memory_lines(name: str, hdr: dict, records: dict[str, dict]) -> list[str]:
     return [
         "",
         f"Resampling {n} particles at {plan['context'] + plan['resample_tokens']} tokens "
-        f"(`cache.select`, page tables): {_ms(resample['ms'])} ms. KV bytes per token: target "
+        f"(`cache.select`, page tables): {_ms(resample['value'])} ms. KV bytes per token: target "
         f"{per['target']}, draft {per['draft']}. One SMC run (N={n}, K=4, "
         f"{plan['resample_tokens']} new tokens, target + draft): peak "
         f"{kv['paged_peak_bytes'] / 2**20:.1f} MiB in shared pages vs "
@@ -176,16 +260,46 @@ def _e2e_lines(name: str, hdr: dict, records: dict[str, dict]) -> list[str]:
 
 def _checks_report(records: dict[str, dict]) -> list[str]:
     checks = [r for k, r in records.items() if k.startswith("check|")]
-    triton = records.get("triton")
-    if not checks and not triton:
+    if not checks:
         return []
-    lines = ["", "## Correctness", "", "| check | max diff | tolerance | ok |", "|---|---|---|---|"]
-    if triton:
-        lines.append(f"| Triton paged attention vs reference (bf16) | - | 2e-2 | {triton['ok']} |")
+    lines = [
+        "",
+        "## Correctness",
+        "",
+        "| check | max diff | tolerance | result |",
+        "|---|---|---|---|",
+    ]
     for r in checks:
         diff, tol = r.get("diff"), r.get("tol")
         cells = [f"{diff:.2e}" if diff is not None else "-", f"{tol:.1e}" if tol else "-"]
-        lines.append(f"| {r['check']} | {cells[0]} | {cells[1]} | {r['ok']} |")
+        lines.append(f"| {r['check']} | {cells[0]} | {cells[1]} | {_verdict(r['ok'])} |")
+    return lines
+
+
+def _verdict(ok: bool | None) -> str:
+    return {True: "passed", False: "**FAILED**", None: "not run"}[ok]
+
+
+def _not_run_report(records: dict[str, dict]) -> list[str]:
+    """What did not run, and the stages that raised, with their tracebacks."""
+    lines = []
+    not_run = [r for k, r in records.items() if k.startswith("not-run|")]
+    if not_run:
+        lines += ["", "## Not run", ""]
+        lines += [f"- {r['stage']}: {r['why']}" for r in not_run]
+    stages = [r for k, r in records.items() if k.startswith("stage|")]
+    if stages:
+        lines += [
+            "",
+            "Seconds per stage: "
+            + "; ".join(f"{r['stage']} {r['seconds']:.1f}" for r in stages)
+            + ".",
+        ]
+    crashes = [r for k, r in records.items() if k.startswith("crash|")]
+    if crashes:
+        lines += ["", "## Stages that raised", ""]
+        for r in crashes:
+            lines += [f"### {r['stage']}", "", "```", r["traceback"].rstrip(), "```", ""]
     return lines
 
 

@@ -4,8 +4,9 @@ One `smcspec serve` subprocess (the model options given), then for each method a
 concurrency level the same R chat requests (the first R HumanEval prompts, fixed output length,
 EOS ignored), C clients at a time. Concurrency 1 is the same requests served one at a time.
 A warm-up request per method runs first and is not counted. Reported per level: requests/s,
-tokens/s, latency, time to first streamed token, target rows per batched forward pass and the
-share of time spent in passes (from /metrics), and the method's diagnostics.
+tokens/s, latency, time to first streamed token, target rows per batched forward pass, the
+share of time spent in passes and the share of passes served by CUDA-graph replays (from
+/metrics), and the method's diagnostics.
 """
 
 from __future__ import annotations
@@ -228,6 +229,8 @@ def _level(url: str, bodies: list[dict], concurrency: int, settle: bool = False)
     latency = sorted(r["latency"] for r in done)
     ttft = [r["ttft"] for r in done if r["ttft"] is not None]
     passes = after["forwards"] - before["forwards"]
+    both = passes + after["draft_forwards"] - before["draft_forwards"]
+    replays = sum(after[k] - before[k] for k in ("target_replays", "draft_replays"))
     return {
         "requests": len(done),
         "seconds": wall,
@@ -242,6 +245,7 @@ def _level(url: str, bodies: list[dict], concurrency: int, settle: bool = False)
         "ttft_median": statistics.median(ttft) if ttft else None,
         "target_passes": passes,
         "rows_per_target_pass": (after["rows"] - before["rows"]) / passes if passes else None,
+        "graph_share": replays / both if both else None,  # of both models' passes
         **_diagnostics([r["diagnostics"] for r in done]),
     }
 
@@ -302,6 +306,9 @@ def _scrape(url: str) -> dict[str, float]:
     draft = f'{{model_name="{MODEL_NAME}",role="draft"}}'
     wanted = {
         "forwards": "smcspec:forward_passes_total" + target,
+        "draft_forwards": "smcspec:forward_passes_total" + draft,
+        "target_replays": "smcspec:graph_replays_total" + target,
+        "draft_replays": "smcspec:graph_replays_total" + draft,
         "rows": "smcspec:forward_rows_total" + target,
         "target_seconds": "smcspec:forward_seconds_total" + target,
         "draft_seconds": "smcspec:forward_seconds_total" + draft,
@@ -354,12 +361,13 @@ def report(path: str | Path) -> str:
         "is the same requests served one at a time. x = tokens/s over the method's own "
         "concurrency-1 row on the same server. prompt tok/s: prompt tokens prefilled per second "
         "of the level. in passes: share of the wall time spent inside batched forward passes "
-        "(the rest is per-request sampling, scheduling and HTTP; summed over replicas).",
+        "(the rest is per-request sampling, scheduling and HTTP; summed over replicas). graph "
+        "replays: share of both models' passes served by a CUDA graph (0 off CUDA).",
         "",
         "| server | method | C | req/s | tok/s | x | prompt tok/s | latency mean / p95 (s) "
-        "| TTFT mean / median (s) | target rows/pass | in passes | acceptance | ESS/N "
-        "| resamples/req |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| TTFT mean / median (s) | target rows/pass | in passes | graph replays | acceptance "
+        "| ESS/N | resamples/req |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     base = {
         (r.get("replicas", 0), r["method"]): r["tokens_per_second"]
@@ -377,6 +385,7 @@ def report(path: str | Path) -> str:
             f"| {_fmt(r['latency_mean'])} / {_fmt(r['latency_p95'])} "
             f"| {_fmt(r['ttft_mean'])} / {_fmt(r['ttft_median'])} "
             f"| {_fmt(r['rows_per_target_pass'])} | {_fmt(r['forward_share'])} "
+            f"| {_fmt(r.get('graph_share'))} "
             f"| {_fmt(r['acceptance'])} "
             f"| {_fmt(r['ess_fraction'])} | {_fmt(r['resamples'])} |"
         )

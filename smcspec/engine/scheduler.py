@@ -107,12 +107,13 @@ class _View:
 
 @dataclass
 class SchedulerStats:
-    """Counters since start, per model: forward passes, rows they carried, seconds they took;
-    and jobs by outcome."""
+    """Counters since start, per model: forward passes, rows they carried, seconds they took,
+    passes served by a CUDA-graph replay; and jobs by outcome."""
 
     forwards: list[int]
     rows: list[int]
     seconds: list[float]
+    replays: list[int]
     finished: int = 0
     failed: int = 0
     cancelled: int = 0
@@ -145,7 +146,7 @@ class Scheduler:
         self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens
         n = len(self.models)
-        self.stats = SchedulerStats([0] * n, [0] * n, [0.0] * n)
+        self.stats = SchedulerStats([0] * n, [0] * n, [0.0] * n, [0] * n)
         self._cond = threading.Condition()
         self._queue: deque[Job] = deque()
         self._running: set[Job] = set()
@@ -373,13 +374,15 @@ class Scheduler:
         (each such job then unwinds, freeing pages)."""
         index = max(c.model for c in calls)
         pieces = self._pieces([c for c in calls if c.model == index])
-        start = time.perf_counter()
+        start, replays = time.perf_counter(), _replays(self.models[index])
         try:
             logits = self._forward(index, pieces)
         except Exception:
             logits = [self._forward_alone(index, piece) for piece in pieces]
         self.stats.seconds[index] += time.perf_counter() - start
         self.stats.forwards[index] += 1
+        # a pass re-run piece by piece counts once, as it does in `forwards`
+        self.stats.replays[index] += min(1, _replays(self.models[index]) - replays)
         self.stats.rows[index] += sum(c.tokens.shape[0] for c, _, _ in pieces)
         finished = []
         for (c, _, b), out in zip(pieces, logits, strict=True):
@@ -434,3 +437,8 @@ class Scheduler:
             if room <= 0:
                 break
         return out
+
+
+def _replays(model: CausalLM) -> int:
+    """Passes `model` has served by replaying a CUDA graph (0 for a model without graphs)."""
+    return getattr(model, "graph_replays", 0)

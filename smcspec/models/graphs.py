@@ -1,18 +1,26 @@
-"""CUDA graphs of the steps decoders repeat.
+"""CUDA graphs of the decoders' steps, keyed by the batch's total token count.
 
-A decoder's steps have a few shapes only: the draft step (B rows x 1 token), the target's
-verification (B rows x K + 1 tokens), the autoregressive step (1 x 1). On a GPU a 1.5B model's
-step is a few hundred small kernels whose launches cost more than their work; replaying a
-captured graph launches them all at once. As in vLLM and nano-vllm, graphs are captured per
-batch-size bucket: a batch of B rows runs in the smallest bucket >= B, its padding rows writing
-their keys to the cache's scratch page and their logits dropped. Inputs live in static buffers
-that each replay reads; the page tables are host-built each step and copied in.
+A decoder's step is small: a draft step (1 or 2 tokens a row), a verify (K + 1 tokens a row).
+On a GPU a 1.5B model's step is a few hundred small kernels whose launches cost more than their
+work; replaying a captured graph launches them all at once. Under the scheduler one pass mixes
+requests at different phases (one job's first draft step feeds 2 tokens a row, another's 1;
+jobs verify different K), so a graph serves a FLAT RAGGED batch: any rows with 1 ..
+MAX_TOKENS_PER_ROW tokens each and any logits count each, as long as their total fits the
+graph's token bucket T. As in vLLM, the batch is padded to the smallest bucket >= its total:
 
-A graph is captured the first time its (bucket, tokens per row, logits per row) is seen; batches
-outside the buckets (a long prefill, a ragged batch, more rows than the largest bucket) run
-eagerly. The capture itself is a strategy: `cuda_capture` on a GPU, `eager_capture` (replay =
-run the function again over the same buffers) wherever graphs do not exist, which is how the
-CPU tests check everything here but the CUDA call.
+    rows 0 .. b - 1          the batch's sequences, their tokens contiguous and in order
+    rows b .. b + pad - 1    one padding token each, at position 0 of the scratch page
+    rows b + pad .. T - 1    no token (query_starts repeats T)
+
+Every row holds at least one token, so a bucket of T tokens needs at most T rows. The logits of
+each row's last num_logits[b] positions are gathered through a static index (padding entries
+point at row 0) into one float32 output that all graphs share: only the last replay's is read.
+
+Graphs are captured at start-up (`capture_all`, which `native.NativeCausalLM` calls once),
+never inside a live pass: a batch with no captured bucket (more tokens than the largest, a row
+longer than MAX_TOKENS_PER_ROW: a prefill) runs eagerly. The capture itself is a strategy:
+`CudaCapture` on a GPU, `eager_capture` (replay = run the function again over the same buffers)
+wherever graphs do not exist, which is how the CPU tests check everything here but the CUDA call.
 """
 
 from __future__ import annotations
@@ -26,11 +34,10 @@ from smcspec.kv.cache import PagedKVCache
 from smcspec.models.attention import ForwardBatch
 from smcspec.models.llama import LlamaModel
 
-BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
-MAX_TOKENS_PER_ROW = 16  # a verify of K + 1 <= 16; longer uniform feeds are prefills
-# Each graph keeps its logits [rows * t, V] alive (152k-word vocabularies: 0.3 GB in bf16 at
-# 1024 rows); bigger batches are wide enough to be compute-bound, where graphs gain little.
-MAX_GRAPH_TOKENS = 1024
+# Total tokens of a pass. The scheduler's passes carry up to 256 tokens (max_batch_tokens) plus
+# its oldest call; the gaps grow with the bucket so padding stays under a third of a pass.
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512)
+MAX_TOKENS_PER_ROW = 16  # a verify of K + 1 <= 16 (attention.PAGED_MAX_TOKENS); more: a prefill
 
 Replay = Callable[[], torch.Tensor]
 Capture = Callable[[Callable[[], torch.Tensor]], Replay]
@@ -42,7 +49,8 @@ def eager_capture(fn: Callable[[], torch.Tensor]) -> Replay:
 
 
 class CudaCapture:
-    """Captures into CUDA graphs sharing one memory pool (replays never overlap)."""
+    """Captures into CUDA graphs sharing one memory pool (replays never overlap, and no graph's
+    output lives in the pool, so a graph's intermediates may reuse another's memory)."""
 
     def __init__(self) -> None:
         self.pool = None
@@ -55,7 +63,9 @@ class CudaCapture:
                 fn()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: a CUDA call from another thread (a server's) during the capture must not
+        # invalidate it; the scheduler's invariant (no job computes during a pass) holds anyway.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = fn()
         self.pool = graph.pool()
 
@@ -67,25 +77,60 @@ class CudaCapture:
 
 
 @dataclass
-class _Static:
-    """One graph's input buffers (rows = bucket, t tokens per row) and its replay."""
+class _Buffers:
+    """The inputs every graph reads (graph T reads the first T rows of each) and the output
+    they write. On the device they are the graphs' static buffers; on the host, the staging
+    copies they are loaded from (pinned on CUDA, so each load is one asynchronous copy)."""
 
-    tokens: torch.Tensor  # [rows * t] int64
-    batch: ForwardBatch  # slots, positions [rows * t]; seq_index [rows * t]; tables [rows, P]
-    replay: Replay | None = None
+    tokens: torch.Tensor  # [Tmax] int64
+    slots: torch.Tensor  # [Tmax] int64
+    positions: torch.Tensor  # [Tmax] int64
+    seq_index: torch.Tensor  # [Tmax] int32
+    query_starts: torch.Tensor  # [Tmax + 1] int32
+    block_tables: torch.Tensor  # device [Tmax, W] int32; host [Tmax * W] (any [rows, w] prefix)
+    logit_index: torch.Tensor  # [Tmax] int64 flat rows whose logits are wanted
+
+    @classmethod
+    def padding(
+        cls, tmax: int, width: int, scratch_page: int, page_size: int, device: torch.device,
+        staging: bool = False, pin: bool = False,
+    ) -> _Buffers:  # fmt: skip
+        """An all-padding batch: token i is row i's only token, at position 0 of the scratch
+        page, so a capture's warm-up runs write nothing but the scratch page. `staging`: the
+        host copy, its tables flat (any [rows, width] prefix is contiguous); `pin` it when the
+        graphs run on CUDA."""
+        where = torch.device("cpu") if staging else device
+
+        def make(t: torch.Tensor) -> torch.Tensor:
+            t = t.to(where)
+            return t.pin_memory() if pin else t
+
+        tables = (tmax * width,) if staging else (tmax, width)
+        return cls(
+            tokens=make(torch.zeros(tmax, dtype=torch.long)),
+            slots=make(torch.full((tmax,), scratch_page * page_size, dtype=torch.long)),
+            positions=make(torch.zeros(tmax, dtype=torch.long)),
+            seq_index=make(torch.arange(tmax, dtype=torch.int32)),
+            query_starts=make(torch.arange(tmax + 1, dtype=torch.int32)),
+            block_tables=make(torch.full(tables, scratch_page, dtype=torch.int32)),
+            logit_index=make(torch.zeros(tmax, dtype=torch.long)),
+        )
 
 
-def _decode_like(t: int, n: int) -> bool:
-    """The steps decoders repeat: a verify (logits at all t <= MAX_TOKENS_PER_ROW positions)
-    or a draft step (one logit after one token, or two when the last round's bonus token is
-    fed too). A short prefill (one logit after t tokens) would capture a graph per prompt
-    length, for a step that runs once."""
-    return 1 <= t <= MAX_TOKENS_PER_ROW and (n == t or (n == 1 and t <= 2))
+@dataclass
+class _Plan:
+    """One pass laid out on the host as the graph of bucket `tokens` reads it."""
+
+    tokens: int  # the bucket T
+    rows: int  # table rows written: the batch's b plus one per padding token
+    width: int  # table columns written
+    wants: list[int]  # logits per sequence
 
 
 class GraphRunner:
-    """Runs uniform decode-like batches (every row appends the same t tokens and wants the same
-    logits, see `_decode_like`) of `model` over `kv` through captured graphs."""
+    """Runs decode-like ragged batches (every row 1 .. MAX_TOKENS_PER_ROW tokens) of `model`
+    over `kv` through graphs captured per token bucket. `captures` and `replays` count graphs
+    captured and passes served by one."""
 
     def __init__(
         self,
@@ -93,92 +138,145 @@ class GraphRunner:
         kv: PagedKVCache,
         context_length: int,
         capture: Capture,
-        buckets: tuple[int, ...] = BUCKETS,
+        buckets: tuple[int, ...] = TOKEN_BUCKETS,
     ) -> None:
         assert model.attention.paged, "graphs need attention that reads page tables"
-        self.model, self.kv, self.capture, self.buckets = model, kv, capture, buckets
+        if not buckets or min(buckets) < 1 or list(buckets) != sorted(set(buckets)):
+            raise ValueError(f"graph buckets must be increasing token counts >= 1, got {buckets}")
+        self.model, self.kv, self.capture, self.buckets = model, kv, capture, tuple(buckets)
         self.width = -(-context_length // kv.page_size)  # page-table columns
         model.rope.pin(self.width * kv.page_size)  # the table must not move after a capture
-        self._graphs: dict[tuple[int, int, int], _Static] = {}
-        self.replays = 0  # batches served by a graph (for tests and the bench)
+        self._replays: dict[int, Replay] = {}
+        self.captures = 0
+        self.replays = 0
+        dev, tmax = model.device, self.buckets[-1]
+        pad = (tmax, self.width, kv.scratch_page, kv.page_size)
+        self._static = _Buffers.padding(*pad, dev)
+        self._host = _Buffers.padding(*pad, dev, staging=True, pin=dev.type == "cuda")
+        self._out = torch.zeros(tmax, model.config.vocab_size, dtype=torch.float32, device=dev)
+        # The host may run a pass ahead of the device: before it rewrites the staging buffers,
+        # the device must have read them (the last load's copies), not finished the pass.
+        self._loaded = torch.cuda.Event() if dev.type == "cuda" else None
 
-    def bucket(self, rows: int) -> int | None:
-        return next((b for b in self.buckets if b >= rows), None)
+    def bucket(self, tokens: int) -> int | None:
+        return next((b for b in self.buckets if b >= tokens), None)
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Capture a graph per bucket, largest first (smaller ones then reuse its pool's
+        memory), over all-padding buffers. Once, at start-up: a capture costs a synchronize and
+        tens of milliseconds, which a live pass must never wait for."""
+        for tokens in reversed(self.buckets):
+            if tokens not in self._replays:
+                self._replays[tokens] = self.capture(self._step(tokens))
+                self.captures += 1
+
+    def _step(self, tokens: int) -> Callable[[], torch.Tensor]:
+        s, model, kv = self._static, self.model, self.kv
+        batch = ForwardBatch(
+            slots=s.slots[:tokens],
+            positions=s.positions[:tokens],
+            seq_index=s.seq_index[:tokens],
+            query_starts=s.query_starts[: tokens + 1],
+            block_tables=s.block_tables[:tokens],
+        )
+        out = self._out[:tokens]
+
+        def step() -> torch.Tensor:
+            x = model.hidden(s.tokens[:tokens], batch, kv)  # [T, H]
+            out.copy_(model.logits(x[s.logit_index[:tokens]]))  # [T, V], float32
+            return out
+
+        return step
 
     @torch.inference_mode()
     def run(
         self, seqs: list[int], tokens: list[torch.Tensor], num_logits: list[int]
     ) -> list[torch.Tensor] | None:
-        """Float32 logits of the last num_logits[b] of tokens[b] ([n, V] each), or None when
-        this batch is not a graph's shape (the caller runs it eagerly)."""
-        t, n = tokens[0].numel(), num_logits[0]
-        bucket = self.bucket(len(seqs))
-        uniform = all(x.numel() == t for x in tokens) and all(m == n for m in num_logits)
-        if not uniform or bucket is None or not _decode_like(t, n):
+        """Float32 logits of the last min(num_logits[b], len(tokens[b])) of tokens[b] ([n, V]
+        each), or None when no captured graph fits this batch (the caller runs it eagerly)."""
+        counts = [x.numel() for x in tokens]
+        bucket = self.bucket(sum(counts))
+        if bucket not in self._replays or not self._fits(seqs, counts):
             return None
-        if bucket * t > MAX_GRAPH_TOKENS:
-            return None
-        ends = [self.kv.lengths[s] + t for s in seqs]
-        if max(ends) > self.width * self.kv.page_size:
-            return None
-        static = self._graph(bucket, t, n)
-        dev = static.tokens.device  # rows from the host and the device may meet here
-        rows = torch.stack([x.to(dev, non_blocking=True) for x in tokens])  # [b, t]
-        self._load(static, seqs, rows, bucket)
-        logits = static.replay()  # [bucket * n, V], in the graph's pool
+        plan = self._load(seqs, tokens, counts, num_logits, bucket)
+        logits = self._replays[bucket]()  # [T, V]
         self.replays += 1
-        # A copy: the pool's memory is the next replay's
-        out = logits[: len(seqs) * n].to(torch.float32, copy=True)
-        return list(out.view(len(seqs), n, -1))
+        # a copy: the next replay writes the same output
+        return list(logits[: sum(plan.wants)].clone().split(plan.wants))
 
-    def _load(self, static: _Static, seqs: list[int], tokens: torch.Tensor, rows: int) -> None:
-        """Reserve the new positions (host page tables) and copy the batch into the buffers in
-        four transfers; padding rows write to the scratch page, at positions 0 .. t - 1. Host
-        work in Python ints: on a GPU a small step costs about as much as this."""
-        b, t = tokens.shape
-        kv, ps, pad = self.kv, self.kv.page_size, rows - len(seqs)
+    def _fits(self, seqs: list[int], counts: list[int]) -> bool:
+        if min(counts) < 1 or max(counts) > MAX_TOKENS_PER_ROW:
+            return False
+        lengths = [self.kv.lengths[s] for s in seqs]
+        ends = [n + c for n, c in zip(lengths, counts, strict=True)]
+        if max(ends) > self.width * self.kv.page_size:  # past the tables (the context)
+            return False
+        # int8 models compute position 0 apart (LlamaModel.forward_ragged): leave it to them
+        return self.model.dtype != "int8" or min(lengths) > 0
+
+    def _load(
+        self,
+        seqs: list[int],
+        tokens: list[torch.Tensor],
+        counts: list[int],
+        num_logits: list[int],
+        bucket: int,
+    ) -> _Plan:
+        """Reserve the new positions (host page tables), lay the padded batch out in the
+        staging buffers and copy each into its static buffer once. Host work in Python ints:
+        on a GPU a small step costs about as much as this."""
+        kv, b, total = self.kv, len(seqs), sum(counts)
+        pad = bucket - total
         starts = [kv.lengths[s] for s in seqs]
-        slots = torch.cat([kv.reserve(s, t) for s in seqs])  # [b * t]
-        scratch = [kv.scratch_page * ps + i % ps for i in range(t)]
-        positions = [p for s in starts for p in range(s, s + t)] + list(range(t)) * pad
+        slots = torch.cat([kv.reserve(s, n) for s, n in zip(seqs, counts, strict=True)])
+        ends = torch.tensor(counts + [1] * pad).cumsum(0).tolist()  # query_starts[1:]
+        qs = [0, *ends] + [bucket] * (bucket - b - pad)  # [T + 1]
+        wants = [min(n, c) for n, c in zip(num_logits, counts, strict=True)]
+        index = [i for e, n in zip(ends[:b], wants, strict=True) for i in range(e - n, e)]
         width = max(len(kv.tables[s]) for s in seqs)
-        tables = kv.block_tables(seqs + [None] * pad, width)  # padding rows: all scratch
-        dev = static.tokens.device
-        static.tokens[: b * t].copy_(tokens.reshape(-1))
-        static.tokens[b * t :].zero_()
-        host = torch.cat([slots, torch.tensor(scratch * pad, dtype=torch.long)])
-        static.batch.slots.copy_(host.to(dev, non_blocking=True))
-        host = torch.tensor(positions, dtype=torch.long)
-        static.batch.positions.copy_(host.to(dev, non_blocking=True))
-        static.batch.block_tables[:, :width].copy_(tables.to(dev, non_blocking=True))
-
-    def _graph(self, rows: int, t: int, n: int) -> _Static:
-        key = (rows, t, n)
-        if key not in self._graphs:
-            self._graphs[key] = self._new(rows, t, n)
-        return self._graphs[key]
-
-    @torch.inference_mode()
-    def _new(self, rows: int, t: int, n: int) -> _Static:
-        """Buffers holding an all-padding batch (so the capture's warm-up runs touch only the
-        scratch page), then the capture."""
-        dev, kv = self.model.device, self.kv
-        offsets = torch.arange(t, device=dev).repeat(rows)
-        batch = ForwardBatch(
-            slots=kv.scratch_page * kv.page_size + offsets % kv.page_size,
-            positions=offsets.clone(),
-            seq_index=torch.arange(rows, dtype=torch.int32, device=dev).repeat_interleave(t),
-            block_tables=torch.full(
-                (rows, self.width), kv.scratch_page, dtype=torch.int32, device=dev
-            ),
+        plan = _Plan(bucket, b + pad, width, wants)
+        if self._loaded is not None:
+            self._loaded.synchronize()
+        h = self._host
+        h.slots[:total] = slots
+        h.slots[total:bucket] = kv.scratch_page * kv.page_size
+        h.positions[:bucket] = torch.tensor(
+            [p for s, n in zip(starts, counts, strict=True) for p in range(s, s + n)] + [0] * pad
         )
-        static = _Static(torch.zeros(rows * t, dtype=torch.long, device=dev), batch)
-        model = self.model
+        rows = [r for r, n in enumerate(counts) for _ in range(n)] + list(range(b, b + pad))
+        h.seq_index[:bucket] = torch.tensor(rows, dtype=torch.int32)
+        h.query_starts[: bucket + 1] = torch.tensor(qs, dtype=torch.int32)
+        h.logit_index[:bucket] = torch.tensor(index + [0] * (bucket - len(index)))
+        # Padding rows read column 0 only (position 0), which is the scratch page. Columns >= width
+        # and rows past b + pad keep the ids of earlier passes: nothing reads them (a sequence
+        # reads the columns of its own pages, < width; a row with no token reads none), and
+        # they are valid page ids anyway. (Only the reference kernel touches them, masked.)
+        tables = h.block_tables[: plan.rows * width].view(plan.rows, width)
+        tables.copy_(kv.block_tables(seqs + [None] * pad, width))
+        self._copy_in(plan, total, tokens)
+        return plan
 
-        def step() -> torch.Tensor:
-            x = model.hidden(static.tokens, static.batch, kv)  # [rows * t, H]
-            last = x.view(rows, t, -1)[:, t - n :].reshape(rows * n, -1)
-            return model.logits(last)  # [rows * n, V]
-
-        static.replay = self.capture(step)
-        return static
+    def _copy_in(self, plan: _Plan, total: int, tokens: list[torch.Tensor]) -> None:
+        """One asynchronous copy per static buffer (tokens made on the device are gathered
+        there). Padding tokens keep earlier ids: any valid id will do."""
+        s, h, t, dev = self._static, self._host, plan.tokens, self._static.tokens.device
+        for name in ("slots", "positions", "seq_index", "logit_index"):
+            getattr(s, name)[:t].copy_(getattr(h, name)[:t], non_blocking=True)
+        s.query_starts[: t + 1].copy_(h.query_starts[: t + 1], non_blocking=True)
+        tables = h.block_tables[: plan.rows * plan.width].view(plan.rows, plan.width)
+        s.block_tables[: plan.rows, : plan.width].copy_(tables, non_blocking=True)
+        here = [x.device == dev for x in tokens]
+        if all(here):  # decode steps: sampled ids already on the device
+            torch.cat([x.long() for x in tokens], out=s.tokens[:total])
+        else:
+            ends = torch.tensor([x.numel() for x in tokens]).cumsum(0).tolist()
+            for x, end, on_device in zip(tokens, ends, here, strict=True):
+                if not on_device:
+                    h.tokens[end - x.numel() : end] = x
+            s.tokens[:total].copy_(h.tokens[:total], non_blocking=True)
+            for x, end, on_device in zip(tokens, ends, here, strict=True):
+                if on_device:
+                    s.tokens[end - x.numel() : end] = x
+        if self._loaded is not None:
+            self._loaded.record()

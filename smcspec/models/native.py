@@ -1,8 +1,9 @@
 """The decoders' view of the native engine: `NativeCausalLM`, a `PagedModel` over `LlamaModel`.
 
 Each cache (a decoder's rows) is a set of sequences in one shared page pool; `forward_many` runs
-the calls of several caches (several requests) as one batch. On CUDA, uniform batches replay
-captured graphs (`graphs.GraphRunner`); everything else runs eagerly.
+the calls of several caches (several requests) as one batch. On CUDA, decode-like batches (any
+mix of steps, up to a token bucket) replay graphs captured when the model is built
+(`graphs.GraphRunner`); everything else runs eagerly.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from smcspec.kv.cache import PagedKVCache
-from smcspec.models.graphs import Capture, CudaCapture, GraphRunner
+from smcspec.models.graphs import TOKEN_BUCKETS, Capture, CudaCapture, GraphRunner
 from smcspec.models.llama import LlamaModel, stack_padded
 
 
@@ -47,8 +48,9 @@ class NativeCache:
 
 
 class NativeCausalLM:
-    """`PagedModel` over `LlamaModel`. `graphs`: replay CUDA graphs of uniform steps (on a CUDA
-    model whose attention allows it; `capture` replaces the CUDA capture, for tests)."""
+    """`PagedModel` over `LlamaModel`. `graphs`: replay CUDA graphs of decode-like passes (on a
+    CUDA model whose attention allows it; `capture` replaces the CUDA capture, for tests), one
+    per total-token count of `graph_buckets`, all captured here, before any request."""
 
     def __init__(
         self,
@@ -58,6 +60,7 @@ class NativeCausalLM:
         page_size: int = 16,
         graphs: bool = True,
         capture: Capture | None = None,
+        graph_buckets: tuple[int, ...] = TOKEN_BUCKETS,
     ) -> None:
         self.model = model
         self.vocab_size = model.config.vocab_size
@@ -71,7 +74,13 @@ class NativeCausalLM:
         on_gpu = model.device.type == "cuda" and model.attention.graph_safe
         if graphs and (capture is not None or on_gpu):
             capture = capture or CudaCapture()
-            self.graphs = GraphRunner(model, self.kv, self.context_length, capture)
+            self.graphs = GraphRunner(model, self.kv, self.context_length, capture, graph_buckets)
+            self.graphs.capture_all()
+
+    @property
+    def graph_replays(self) -> int:
+        """Passes served by a graph replay so far."""
+        return 0 if self.graphs is None else self.graphs.replays
 
     def new_cache(self) -> NativeCache:
         return NativeCache(self.kv)

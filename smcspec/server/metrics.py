@@ -2,7 +2,8 @@
 so existing dashboards carry over, each labelled with the served `model_name`: requests,
 client disconnects (nginx's 499, by stage), tokens, latency, queue, KV pages, speculative
 decoding (sd) counters, and SMC's own (rounds, resamples, ESS). `role` tells the target model
-from the draft."""
+from the draft. smcspec:graph_replays_total / smcspec:forward_passes_total is the share of
+passes a captured CUDA graph served (the rest ran eagerly)."""
 
 from __future__ import annotations
 
@@ -163,6 +164,11 @@ class _Live:
         seconds = CounterMetricFamily(
             "smcspec:forward_seconds", "time in batched forward passes", labels=labels
         )
+        replays = CounterMetricFamily(
+            "smcspec:graph_replays",
+            "batched forward passes served by a CUDA-graph replay",
+            labels=labels,
+        )
         for i, role in enumerate(ROLES[: len(s.models)]):
             if isinstance(s.models[i], PagedModel):
                 pool = s.models[i].pages
@@ -173,7 +179,8 @@ class _Live:
             passes.add_metric([*name, role], s.stats.forwards[i])
             rows.add_metric([*name, role], s.stats.rows[i])
             seconds.add_metric([*name, role], s.stats.seconds[i])
-        yield from (used, free, usage, passes, rows, seconds)
+            replays.add_metric([*name, role], s.stats.replays[i])
+        yield from (used, free, usage, passes, rows, seconds, replays)
 
 
 def _gauge(metric: str, doc: str, labels: list[str], value: float) -> GaugeMetricFamily:

@@ -1,11 +1,15 @@
 """`smcspec bench serve` end to end on the tiny pair: every level measured, batching visible."""
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
+import requests
 
+from smcspec.bench import serving
 from smcspec.bench.results import measurements
 from smcspec.bench.serving import ServePlan, run_serve_bench
+from smcspec.server.metrics import ServerMetrics
 
 
 def test_serve_bench_measures_every_level_and_resumes(
@@ -56,3 +60,15 @@ def test_serve_bench_measures_replicas_on_ray_beside_one_process(
         else:
             assert 0 < r["roundtrip_ms_median"] <= r["roundtrip_ms_p95"]
     assert "| Ray, 2 replicas | sd K=4 | 2 |" in table and "| 1 process | sd K=4 | 1 |" in table
+
+
+def test_the_scrape_reads_graph_replays_and_both_models_passes(monkeypatch):
+    """The names `_level` reads are the ones /metrics writes (a misspelt one would read 0)."""
+    stats = SimpleNamespace(forwards=[7, 9], rows=[20, 30], seconds=[1.5, 0.5], replays=[6, 8])
+    models = (SimpleNamespace(), SimpleNamespace())  # no page pools
+    scheduler = SimpleNamespace(queued=0, running=0, models=models, stats=stats)
+    text = ServerMetrics(scheduler, serving.MODEL_NAME).render().decode()
+    monkeypatch.setattr(requests, "get", lambda *a, **kw: SimpleNamespace(text=text))
+    got = serving._scrape("http://unused")
+    assert got["forwards"] == 7 and got["draft_forwards"] == 9
+    assert got["target_replays"] == 6 and got["draft_replays"] == 8

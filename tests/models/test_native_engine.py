@@ -92,8 +92,9 @@ def test_graphs_give_the_eager_logits_with_padding_to_buckets():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     runner = graphed.graphs
     assert eager.graphs is None and runner is not None
-    # 3 rows run in the bucket of 4 (one padding row); the 20-token prefill is eager
-    assert sorted(runner._graphs) == [(1, 9, 9), (4, 1, 1), (4, 4, 4)]
+    # every bucket captured when the model was built; 3 rows of 1 token run in the bucket of 4
+    # (one padding row), of 4 tokens in the bucket of 16; only the 20-token prefill is eager
+    assert runner.captures == len(graphs.TOKEN_BUCKETS)
     assert runner.replays == len(got) - 1
 
 
@@ -107,24 +108,19 @@ def test_padding_rows_that_wrote_to_a_live_page_would_be_caught(monkeypatch):
     assert max((a - b).abs().max() for a, b in zip(got, expected, strict=True)) > 1e-3
 
 
-def test_the_runner_leaves_ragged_too_wide_and_too_long_batches_to_the_eager_path(monkeypatch):
+def test_the_runner_leaves_prefills_too_many_tokens_and_too_long_sequences_to_the_eager_path():
     lm = NativeCausalLM(model("reference"), {0}, 64, 4, graphs=False)
-    runner = GraphRunner(lm.model, lm.kv, context_length=16, capture=eager_capture, buckets=(1, 2))
+    runner = GraphRunner(lm.model, lm.kv, context_length=16, capture=eager_capture, buckets=(2, 4))
+    runner.capture_all()
     seqs = [lm.kv.new_sequence() for _ in range(3)]
-    one = [torch.tensor([5])] * 3
-    assert runner.run(seqs, one, [1, 1, 1]) is None  # 3 rows: no bucket
-    monkeypatch.setattr(graphs, "MAX_GRAPH_TOKENS", 3)
-    assert runner.run(seqs[:2], [torch.tensor([5, 6])] * 2, [2, 2]) is None  # 4 tokens > 3
-    monkeypatch.undo()
-    assert runner.run(seqs[:2], [torch.tensor([5]), torch.tensor([5, 6])], [1, 1]) is None
-    assert runner.run(seqs[:2], [torch.tensor(range(17))] * 2, [17, 17]) is None  # > 16 tokens
-    assert runner.run(seqs[:2], [torch.tensor(range(5))] * 2, [1, 1]) is None  # a prefill
-    rows = runner.run(seqs[:2], [torch.tensor([5, 6])] * 2, [1, 1])  # a draft step with bonus
-    assert rows is not None and [r.shape for r in rows] == [(1, 64), (1, 64)]
+    assert runner.run(seqs, [torch.tensor([5, 6])] * 3, [1, 1, 1]) is None  # 6 tokens > 4
+    assert runner.run(seqs[:1], [torch.tensor(range(17))], [1]) is None  # a row > 16: a prefill
+    rows = runner.run(seqs[:2], [torch.tensor([5]), torch.tensor([5, 6])], [1, 2])  # ragged
+    assert rows is not None and [r.shape for r in rows] == [(1, 64), (2, 64)]
     lm.kv.truncate(seqs[0], 0)
     lm.kv.reserve(seqs[0], 15)  # 15 + 2 positions > the 16 of the graphs' page tables
-    assert runner.run(seqs[:2], [torch.tensor([5, 6])] * 2, [1, 1]) is None
-    assert runner.replays == 1 and lm.pages.used_pages > 0
+    assert runner.run(seqs[:1], [torch.tensor([5, 6])], [1]) is None
+    assert runner.replays == 1 and runner.captures == 2 and lm.pages.used_pages > 0
     for s in seqs:
         lm.kv.release(s)
     assert lm.pages.used_pages == 0

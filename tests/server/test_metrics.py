@@ -14,7 +14,7 @@ from smcspec.server.metrics import ServerMetrics
 
 def fake_scheduler():
     pages = SimpleNamespace(used_pages=3, free_pages=5)
-    stats = SimpleNamespace(forwards=[7, 9], rows=[20, 30], seconds=[1.5, 0.5])
+    stats = SimpleNamespace(forwards=[7, 9], rows=[20, 30], seconds=[1.5, 0.5], replays=[6, 0])
     paged = dict(  # what `models.base.PagedModel` declares
         pages=pages, page_size=4, context_length=64, device="cpu", vocab_size=8,
         eos_token_ids=frozenset(), new_cache=print, forward=print, forward_many=print,
@@ -51,6 +51,8 @@ def test_names_follow_vllm_and_every_sample_has_the_model_name(metrics):
     assert values[f"smcspec:spec_decode_num_draft_tokens_total{m}"] == 10
     assert values[f"smcspec:spec_decode_num_accepted_tokens_total{m}"] == 7
     assert values['smcspec:forward_passes_total{model_name="tiny",role="draft"}'] == 9
+    assert values['smcspec:graph_replays_total{model_name="tiny",role="target"}'] == 6
+    assert values['smcspec:graph_replays_total{model_name="tiny",role="draft"}'] == 0
     assert values['smcspec:kv_cache_usage_perc{model_name="tiny",role="target"}'] == 3 / 8
     assert all("smcspec:" in key and 'model_name="tiny"' in key for key in values), [
         key for key in values if 'model_name="tiny"' not in key

@@ -1,0 +1,171 @@
+"""CUDA graphs keyed by total-token buckets, on the CPU through `eager_capture`: the scheduler's
+mixed passes replay them, their padding stays in the scratch page, their logits are the eager
+ones, and every capture happens when the model is built."""
+
+import torch
+
+from smcspec.engine import LLM
+from smcspec.engine.scheduler import Scheduler
+from smcspec.models import graphs
+from smcspec.models.graphs import GraphRunner, eager_capture
+from smcspec.models.llama import LlamaConfig, LlamaModel, random_weights
+from smcspec.models.native import NativeCausalLM
+
+CONFIG = LlamaConfig.from_hf(
+    {
+        "model_type": "qwen2",
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+    }
+)
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def model() -> LlamaModel:
+    weights = random_weights(CONFIG, "cpu", seed=3)
+    for name, w in weights.items():  # larger than N(0, 0.02): logits that differ visibly
+        weights[name] = w * 10 if "norm" not in name else w
+    return LlamaModel(CONFIG, weights, "float32", "cpu", "reference")
+
+
+class CountingCapture:
+    """`eager_capture` that counts its calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, fn):
+        self.calls += 1
+        return eager_capture(fn)
+
+
+def pair(**kw) -> LLM:
+    target = NativeCausalLM(model(), {0}, 256, 4, graph_buckets=BUCKETS, **kw)
+    draft = NativeCausalLM(model(), {0}, 256, 4, graph_buckets=BUCKETS, **kw)  # a close draft
+    return LLM.from_models(target, draft)
+
+
+# Two smc and two sd requests at once: one pass mixes a first draft step (2 tokens a row) with
+# later ones (1), verifies of K + 1 = 3, 4 and 5 tokens, and prompts of 3 to 20 tokens.
+REQUESTS = [
+    ([1, 2, 3], "smc", dict(particles=3, draft_tokens=3)),
+    ([4, 5, 6, 7, 8], "smc", dict(particles=2, draft_tokens=4)),
+    (list(range(9, 29)), "sd", dict(draft_tokens=2)),  # 20 tokens: an eager prefill
+    ([30, 31], "sd", dict(draft_tokens=3)),
+]
+
+
+def serve(llm: LLM) -> tuple[list[list[int]], Scheduler]:
+    """The requests through one scheduler, as `LLM.generate_batch` runs them."""
+    scheduler = Scheduler((llm.target, llm.draft))
+    try:
+        jobs = [
+            scheduler.submit(
+                llm.job(llm.request(p, m, max_new_tokens=10, stop_at_eos=False, seed=i, **kw))
+            )
+            for i, (p, m, kw) in enumerate(REQUESTS)
+        ]
+        return [job.future.result().token_ids for job in jobs], scheduler
+    finally:
+        scheduler.shutdown()
+
+
+def test_concurrent_smc_and_sd_requests_replay_graphs_with_the_eager_tokens():
+    """Every pass whose rows each feed <= MAX_TOKENS_PER_ROW tokens (steps of any mix, prompts
+    up to 16 tokens) is decode-like, and all of this run's fit the largest bucket (at most
+    3 * 4 + 2 * 5 + 4 + 5 = 31 tokens <= 64). The only other passes are the 20-token prompt's
+    prefill, one per model (the scheduler's 256-token room takes it whole): so at least
+    passes - 2 of them replay."""
+    expected, _ = serve(pair(graphs=False))
+    got, scheduler = serve(pair(capture=eager_capture))
+    assert got == expected and all(len(t) == 10 for t in got)
+    passes, replays = sum(scheduler.stats.forwards), sum(scheduler.stats.replays)
+    print(f"{replays} of {passes} passes replayed")
+    assert replays >= passes - 2
+    assert replays < passes  # and the prefill ran eagerly in the same run
+
+
+def test_no_capture_happens_after_start_up():
+    spy = CountingCapture()
+    llm = pair(capture=spy)
+    assert spy.calls == 2 * len(BUCKETS)  # every bucket of both models, when they were built
+    out = llm.generate([1, 2, 3], "smc", particles=3, draft_tokens=3, max_new_tokens=6, seed=1)
+    assert len(out.token_ids) > 0 and llm.target.graph_replays > 0
+    assert spy.calls == 2 * len(BUCKETS)
+
+
+def twin_batches() -> tuple[NativeCausalLM, NativeCausalLM, list[list[int]]]:
+    """Two models with the same weights and the same four sequences (prefixes of 5, 0, 9 and
+    3 positions), one with graphs, one without."""
+    lms = []
+    for capture in (eager_capture, None):
+        kw = {"capture": capture} if capture else {"graphs": False}
+        lm = NativeCausalLM(model(), {0}, 64, 4, graph_buckets=BUCKETS, **kw)
+        seqs = [lm.kv.new_sequence() for _ in range(4)]
+        g = torch.Generator().manual_seed(0)
+        prefixes = [torch.randint(1, 64, (n,), generator=g) for n in (5, 0, 9, 3)]
+        live = [(s, p) for s, p in zip(seqs, prefixes, strict=True) if p.numel()]
+        lm.model.forward_ragged(lm.kv, [s for s, _ in live], [p for _, p in live], [1] * 3)
+        lms.append((lm, seqs))
+    (graphed, seqs), (eager, twin) = lms
+    return graphed, eager, [seqs, twin]
+
+
+def test_a_pass_mixing_token_counts_replays_one_graph_with_the_eager_logits():
+    graphed, eager, (seqs, twin) = twin_batches()
+    g = torch.Generator().manual_seed(1)
+    feeds = [torch.randint(1, 64, (t,), generator=g) for t in (1, 2, 5, 3)]  # 11 -> bucket 16
+    wants = [1, 1, 5, 2]
+    got = graphed.graphs.run(seqs, feeds, wants)
+    expected = eager.model.forward_ragged(eager.kv, twin, feeds, wants)
+    assert got is not None and graphed.graphs.replays == 1
+    assert [r.shape[0] for r in got] == wants
+    for a, b in zip(got, expected, strict=True):
+        # float32 rounding only (a padded batch runs other matmul blocks), where a logit row
+        # off by one is another position's: more than 1e-3 away
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # what a sequence-packed kernel reads: each token inside its own row's query_starts range
+    s = graphed.graphs._static
+    qs, rows = s.query_starts[:17].tolist(), s.seq_index[:16].tolist()
+    assert qs[0] == 0 and qs[-1] == 16 and qs == sorted(qs)
+    assert all(qs[r] <= i < qs[r + 1] for i, r in enumerate(rows))
+    assert qs[1:5] == [1, 3, 8, 11]  # the batch's rows, then one padding token a row
+
+
+def test_padding_tokens_write_only_the_scratch_page():
+    """Five live tokens in the bucket of 8: three padding tokens run beside them, and the pool
+    outside the scratch page changes at the live tokens' slots alone."""
+    graphed, _, (seqs, _) = twin_batches()
+    kv = graphed.kv
+    before_k, before_v = kv.k.clone(), kv.v.clone()
+    seq, start = seqs[0], kv.lengths[seqs[0]]
+    assert graphed.graphs.run([seq], [torch.tensor([7, 8, 9, 10, 11])], [1]) is not None
+    live = [divmod(p, kv.page_size) for p in range(start, start + 5)]
+    live = [(kv.tables[seq][column], offset) for column, offset in live]
+    for after, before in ((kv.k, before_k), (kv.v, before_v)):
+        changed = (after != before).flatten(3).any(-1)  # [layers, pages, page_size]
+        changed[:, kv.scratch_page] = False
+        for page, offset in live:
+            assert changed[:, page, offset].all()  # the live tokens' own keys and values
+            changed[:, page, offset] = False
+        assert not changed.any(), changed.nonzero()[:5]
+    assert (kv.k[:, kv.scratch_page] != before_k[:, kv.scratch_page]).any()  # padding ran
+
+
+def test_buckets_must_be_increasing_positive_counts():
+    lm = NativeCausalLM(model(), {0}, 16, 4, graphs=False)
+    for bad in ((), (0, 4), (4, 2), (2, 2)):
+        try:
+            GraphRunner(lm.model, lm.kv, 16, eager_capture, bad)
+        except ValueError as err:
+            assert "graph buckets" in str(err)
+        else:
+            raise AssertionError(f"buckets {bad} accepted")
+    assert graphs.TOKEN_BUCKETS[-1] >= 256  # the scheduler's default pass fits a bucket

@@ -3,11 +3,13 @@
 Triton lowers a kernel TTIR -> TTGIR -> LLVM IR -> PTX in-process and assembles the PTX with
 the ptxas its wheel bundles, for any target it is given, so a CPU-only machine can check what
 the interpreter (TRITON_INTERPRET=1) never does: that a kernel compiles for sm_90 at the shapes
-the engine launches it with, and how many registers, spills (local memory) and shared memory it
+the engine launches it with, and how many registers, spills and how much shared memory it
 needs. What is compiled is exactly what the JIT would build on the GPU: a kernel's public Python
 wrapper is called with CPU tensors laid out as the engine lays them out, its launches are
 recorded instead of run (`intercept`), and Triton's own binder turns each recorded launch into
-the signature, constexprs and divisibility attributes the JIT would specialize on (`compile`).
+the signature, constexprs and divisibility attributes the JIT would specialize on
+(`compile_launch`). A wrapper that tells the interpreter from the tensors' device sets a few
+constexprs for the CPU; `GPU_CONSTEXPRS` gives them the GPU's values.
 
 A `Case` names one engine shape (model, dtype, page size, table width, launch kind) and makes
 its wrapper calls; every launch the wrappers make is compiled, so a new kernel behind an
@@ -106,9 +108,13 @@ class Kind:
 
 DECODE_1 = Kind("decode 1x1", 1, 1, 512)
 DECODE = Kind("decode 8x1", 8, 1, 512)
+# A CUDA graph's flat batch of a 96-token bucket (graphs.py): as many rows as tokens, padding
+# rows included, whatever the steps inside (a verify 8x9 padded, 12 draft steps of 8 rows).
+# Its row and token counts divide by 16, which the JIT specializes on.
+GRAPH_96 = Kind("graph 96x1", 96, 1, 512)
 VERIFY = Kind("verify 8x9", 8, 9, 512)
 PREFILL = Kind("prefill 1x256", 1, 256, 1024)  # a scheduler chunk over a cached prefix
-KINDS = (DECODE_1, DECODE, VERIFY, PREFILL)
+KINDS = (DECODE_1, DECODE, GRAPH_96, VERIFY, PREFILL)
 
 GRAPH_WIDTH = 2048  # a graph's static table: 32768 positions of 16-token pages
 EAGER_WIDTH = 33  # an eager table of a ragged width (the JIT specializes on stride % 16)
@@ -397,12 +403,13 @@ def all_cases() -> list[Case]:
 def ci_cases() -> list[Case]:
     """A subset that still meets every kernel body the engine's shapes select: each head_dim
     (64, 128) and group (7, 6), both dtypes, every launch kind (decode tiles of 16 rows,
-    verify and prefill tiles of 64, one sequence or several), a graph's and an eager table,
-    page sizes 16 and 3."""
+    verify and prefill tiles of 64, one sequence or several, counts divisible by 16 or not),
+    a graph's and an eager table, page sizes 16 and 3."""
     bf16, fp32 = torch.bfloat16, torch.float32
-    picks = [(QWEN_05B, bf16, kind, 16, GRAPH_WIDTH) for kind in KINDS]
+    picks = [(QWEN_05B, bf16, kind, 16, GRAPH_WIDTH) for kind in KINDS if kind != GRAPH_96]
     picks += [
         (QWEN_7B, bf16, DECODE_1, 16, GRAPH_WIDTH),
+        (QWEN_7B, bf16, GRAPH_96, 16, GRAPH_WIDTH),
         (QWEN_7B, bf16, VERIFY, 16, GRAPH_WIDTH),
         (QWEN_7B, bf16, VERIFY, 16, EAGER_WIDTH),
         (QWEN_15B, fp32, DECODE, 16, GRAPH_WIDTH),

@@ -35,7 +35,8 @@ from smcspec.models.attention import ForwardBatch
 from smcspec.models.llama import LlamaModel
 
 # Total tokens of a pass. The scheduler's passes carry up to 256 tokens (max_batch_tokens) plus
-# its oldest call; the gaps grow with the bucket so padding stays under a third of a pass.
+# its oldest call. Padding is under a third of a pass past 16 tokens (under half below, where a
+# step is the weights' read whatever its size).
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512)
 MAX_TOKENS_PER_ROW = 16  # a verify of K + 1 <= 16 (attention.PAGED_MAX_TOKENS); more: a prefill
 

@@ -223,7 +223,7 @@ def test_the_script_writes_the_table_every_row_labelled(tmp_path):
     data = [r for r in rows if not r.startswith(("| label", "| name"))]
     constants = data[-len(ge.SOURCES) :]
     assert all(r.startswith("| ESTIMATE |") for r in data[: -len(ge.SOURCES)])
-    assert len(data) - len(constants) == len(ge.TARGETS) + 6 + 6 + 8
+    assert len(data) - len(constants) == 2 * len(ge.TARGETS) + 6 + 6 + 8
     assert [r.split(" | ")[0][2:] for r in constants] == list(ge.SOURCES)
     assert "benchmarks/cpu/engine-int8/engine.jsonl" in text
     assert "10 a layer + 6, GIVEN (--launches-per-layer)" in text

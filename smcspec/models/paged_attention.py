@@ -111,6 +111,8 @@ def triton_attention(
         return out
     _, page_size, num_kv_heads, _ = k_cache.shape
     num_seqs = block_tables.shape[0]
+    if query_starts is not None and tuple(query_starts.shape) != (num_seqs + 1,):
+        raise ValueError(f"query_starts must be [{num_seqs + 1}], got {tuple(query_starts.shape)}")
     if query_starts is None:
         # searchsorted, not bincount + cumsum with a host-read size: no sync, graph-safe
         rows = torch.arange(num_seqs + 1, dtype=seq_index.dtype, device=seq_index.device)
@@ -175,8 +177,8 @@ def plan(
     A decode step (one token a sequence) gets 16 rows, enough for a GROUP <= 16; a verify
     (K + 1 tokens) or a prefill chunk gets 64, so a 7-head group's 9-token verify is a single
     q-block and each K/V tile is read once per (sequence, kv head) instead of once per token
-    and head. float32 (the correctness runs) keeps 16 rows: its exact ("ieee") 64-row dots
-    need more registers than a thread has (ptxas spills kilobytes for sm_90). S is chosen so
+    and head. float32 (the correctness runs) keeps 16 rows: its three-pass ("tf32x3") 64-row
+    dots need more registers than a thread has (ptxas spills for sm_90). S is chosen so
     programs reach about twice the SMs, at most MAX_SPLITS and at most one split per key tile
     of the table (`max_keys`).
 

@@ -243,3 +243,5 @@ def test_bad_shapes_raise():
         triton_attention(**batch, out=torch.empty_like(batch["q"][:-1]))
     with pytest.raises(ValueError, match="splits"):
         triton_attention(**batch, splits=0)
+    with pytest.raises(ValueError, match="query_starts"):
+        triton_attention(**batch, query_starts=query_starts(batch)[:-1])

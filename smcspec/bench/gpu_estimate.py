@@ -658,8 +658,8 @@ def _inputs(designs: tuple[Design, Design], alpha: float, alpha_source: str) -> 
             f"{d.waits_per_round} host wait(s) per sd/smc round; sampler {sampler}."
         )
     lines.append(
-        "- Not priced: prefill, resampling, the smc first draft step's extra token, eager "
-        "fallbacks (mixed batches), penalties' host copies."
+        "- Not priced: prefill, resampling, the smc first draft step's extra token, the "
+        "graphs' bucket padding rows, penalties' host copies."
     )
     return lines
 

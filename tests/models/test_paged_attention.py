@@ -137,6 +137,10 @@ def test_reference_is_the_per_token_definition(page_size, nh, nkv, d):
     ],
 )
 def test_triton_matches_reference(page_size, nh, nkv, d, dtype, splits, seqs):
+    """Shown failing on a kernel that maps query head h to kv head h % nkv (not h // GROUP),
+    bounds keys by < position, merges splits without the exp(m_s - m) rescaling, lets split
+    ranges overlap by a tile, or skips writing an empty split's partials; and on query_starts
+    derived one sequence off."""
     batch = make_batch(page_size, nh, nkv, d, dtype, seed=100 + page_size * nh + d, seqs=seqs)
     out = torch.full_like(batch["q"], float("nan"))  # every element must be written
     result = triton_attention(**batch, out=out, splits=splits)
@@ -187,7 +191,8 @@ def spy_launches(monkeypatch) -> list:
 def test_launch_is_per_query_block_kv_head_and_split(monkeypatch, splits):
     """A verify of K+1 = 9 tokens with 7 query heads a kv head is ONE 63-row tile a
     (sequence, kv head, split): each key is read once there, not once per token and head. The
-    grid has B spare q-block rows (they exit); S = 1 launches no merge."""
+    grid has B spare q-block rows (they exit); S = 1 launches no merge. Shown failing on a
+    plan with one 16-row tile for all (the verify then takes 5 q-blocks a sequence)."""
     launches = spy_launches(monkeypatch)
     seqs = ((20, 9), (11, 9), (33, 9))
     batch = make_batch(16, 14, 2, 64, torch.bfloat16, seed=3, seqs=seqs)

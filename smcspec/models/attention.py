@@ -136,6 +136,7 @@ class PagedAttention:
     def __init__(self, kernel: str) -> None:
         self.name = f"paged-{kernel}"
         self.graph_safe = kernel == "triton"
+        self.packs_queries = kernel == "triton"  # see `for_feed`
         fns = {"triton": paged_attention.triton_attention, "reference": paged_attention.reference}
         self._fn = fns[kernel]
 
@@ -151,15 +152,30 @@ class PagedAttention:
 
 
 ATTENTION = ("auto", "gather", "triton", "reference")
-# Feeds of more tokens than this per sequence (prefills) take the gather path even where the
-# paged one is the default. The paged kernel now packs a sequence's query tokens into 64-row
-# tiles, reading each key once per block of queries as SDPA's tiled kernels do, so it could take
-# chunks over a prefix too (where the gather path's mask sends SDPA to its math kernel). It
-# stays 16 for now because one threshold routes both kinds of prefill (models.llama.plan), and
-# an unchunked prompt from an empty cache is best served by SDPA's flash kernel (is_causal, no
-# mask, see GatherPlan); the graphs' MAX_TOKENS_PER_ROW mirrors it. Decoders' steps (a verify of
-# K + 1 <= 16) stay paged, as CUDA graphs need.
+# Feeds of at most this many tokens per sequence (decoders' steps: a verify of K + 1 <= 16) stay
+# on the paged path, as CUDA graphs need; the graphs' MAX_TOKENS_PER_ROW mirrors it. Longer
+# feeds are prefills, routed by `for_feed`.
 PAGED_MAX_TOKENS = 16
+
+
+def for_feed(
+    attention: Attention, gather: GatherAttention, starts: list[int], counts: list[int]
+) -> Attention:
+    """The implementation that serves a feed where sequence b holds starts[b] keys and appends
+    counts[b] tokens, `attention` being the model's choice:
+    - steps (counts <= PAGED_MAX_TOKENS): `attention` itself;
+    - a prefill from an empty cache: the gather path, whose SDPA call is then is_causal with no
+      mask (when counts agree), the form SDPA's flash kernel takes;
+    - a chunk over a prefix (chunked prefill, a scheduler's prompt chunk): the Triton kernel,
+      which packs a sequence's query tokens into its tiles and so reads each key once per block
+      of queries, where the gather path's mask would send SDPA to its math kernel and its
+      O(tokens x keys) float32 scores. The plain-torch paged reference builds a [tokens, keys,
+      heads, d] gather, so with it a prefix chunk takes the gather path too."""
+    if not attention.paged or max(counts) <= PAGED_MAX_TOKENS:
+        return attention
+    if max(starts) == 0 or not getattr(attention, "packs_queries", False):
+        return gather
+    return attention
 
 
 def choose(name: str, device: torch.device) -> Attention:

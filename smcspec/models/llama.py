@@ -24,12 +24,7 @@ import torch.nn.functional as F
 
 from smcspec.kv.cache import PagedKVCache
 from smcspec.models import fused, int8_cache, rope
-from smcspec.models.attention import (
-    PAGED_MAX_TOKENS,
-    ForwardBatch,
-    GatherAttention,
-    GatherPlan,
-)
+from smcspec.models.attention import ForwardBatch, GatherAttention, GatherPlan, for_feed
 from smcspec.models.attention import choose as choose_attention
 from smcspec.models.fused import rms_reference as _rms
 from smcspec.models.fused import rotate_reference as _rotate
@@ -330,9 +325,7 @@ class LlamaModel:
         slots = torch.cat([kv.reserve(s, n) for s, n in zip(seqs, counts, strict=True)])
         positions = torch.cat([torch.arange(s, e) for s, e in zip(starts, ends, strict=True)])
         dev = self.device
-        attention = self.attention
-        if attention.paged and max(counts) > PAGED_MAX_TOKENS:
-            attention = self._gather  # a prefill
+        attention = for_feed(self.attention, self._gather, starts, counts)
         batch = ForwardBatch(_to(slots, dev), _to(positions, dev), attention=attention)
         if attention.paged:
             width = max(len(kv.tables[s]) for s in seqs)

@@ -100,3 +100,17 @@ def test_paged_attention_hands_the_kernel_query_starts(monkeypatch):
     batch.query_starts = torch.tensor([0, 2, 4], dtype=torch.int32)
     PagedAttention("triton")(q, kv, 0, batch)
     assert seen == [{"query_starts": batch.query_starts}]
+
+
+@pytest.mark.parametrize("kernel", ["triton", "reference"])
+def test_prefills_are_routed_by_where_they_start(kernel):
+    """A step stays on the model's paged path; a prefill from an empty cache takes SDPA's
+    causal path; a long chunk over a prefix takes the Triton kernel (it packs query tokens)
+    but never the paged reference, whose gather is [tokens, keys, heads, d]."""
+    paged, gather = PagedAttention(kernel), GatherAttention()
+    assert attention.for_feed(paged, gather, [5, 0], [16, 1]) is paged
+    assert attention.for_feed(paged, gather, [0, 0], [17, 17]) is gather
+    assert attention.for_feed(paged, gather, [0, 0], [40, 3]) is gather
+    over_prefix = attention.for_feed(paged, gather, [20, 0], [17, 1])
+    assert over_prefix is (paged if kernel == "triton" else gather)
+    assert attention.for_feed(gather, gather, [20], [17]) is gather

@@ -40,11 +40,13 @@ def device(request) -> str:
     return request.param
 
 
-def model(device: str) -> LlamaModel:
+def model(device: str, attention: str | None = None) -> LlamaModel:
+    """`attention` None: the device's graph attention (Triton on CUDA, the paged reference on
+    the CPU)."""
     weights = random_weights(CONFIG, "cpu", seed=3)
     for name, w in weights.items():  # larger than N(0, 0.02): logits that differ visibly
         weights[name] = w * 10 if "norm" not in name else w
-    attention = "triton" if device == "cuda" else "reference"
+    attention = attention or ("triton" if device == "cuda" else "reference")
     return LlamaModel(CONFIG, weights, "float32", device, attention)
 
 
@@ -60,12 +62,15 @@ class CountingCapture:
         return self.inner(fn)
 
 
-def native(device: str, pages: int, graphs_on: bool = True, **kw) -> NativeCausalLM:
+def native(
+    device: str, pages: int, graphs_on: bool = True, attention: str | None = None, **kw
+) -> NativeCausalLM:
     if graphs_on:
         kw.setdefault("capture", CountingCapture(device))
     else:
         kw["graphs"] = False
-    return NativeCausalLM(model(device), {0}, pages, 4, graph_buckets=BUCKETS, **kw)
+    lm = model(device, attention)
+    return NativeCausalLM(lm, {0}, pages, 4, graph_buckets=BUCKETS, **kw)
 
 
 def pair(device: str, graphs_on: bool = True, **kw) -> LLM:
@@ -123,12 +128,14 @@ def test_no_capture_happens_after_start_up(device):
     assert spy.calls == 2 * len(BUCKETS)
 
 
-def twin_batches(device: str) -> tuple[NativeCausalLM, NativeCausalLM, list[list[int]]]:
+def twin_batches(
+    device: str, attention: str | None = None
+) -> tuple[NativeCausalLM, NativeCausalLM, list[list[int]]]:
     """Two models with the same weights and the same four sequences (prefixes of 5, 0, 9 and
     3 positions), one with graphs, one without."""
     lms = []
     for graphs_on in (True, False):
-        lm = native(device, 64, graphs_on)
+        lm = native(device, 64, graphs_on, attention)
         seqs = [lm.kv.new_sequence() for _ in range(4)]
         g = torch.Generator().manual_seed(0)
         prefixes = [torch.randint(1, 64, (n,), generator=g) for n in (5, 0, 9, 3)]
@@ -140,7 +147,19 @@ def twin_batches(device: str) -> tuple[NativeCausalLM, NativeCausalLM, list[list
 
 
 def test_a_pass_mixing_token_counts_replays_one_graph_with_the_eager_logits(device):
-    graphed, eager, (seqs, twin) = twin_batches(device)
+    check_a_mixed_pass(device)
+
+
+def test_the_interpreted_triton_kernel_reads_the_padded_batch():
+    """The kernel that graphs run on a GPU finds each sequence's tokens through query_starts
+    (the reference reads seq_index): the padded layout, zero-length rows included, through it."""
+    if not paged_attention.triton_available("cpu"):
+        pytest.skip("needs Triton (its interpreter runs the kernel on the CPU)")
+    check_a_mixed_pass("cpu", "triton")
+
+
+def check_a_mixed_pass(device: str, attention: str | None = None) -> None:
+    graphed, eager, (seqs, twin) = twin_batches(device, attention)
     g = torch.Generator().manual_seed(1)
     feeds = [torch.randint(1, 64, (t,), generator=g) for t in (1, 2, 5, 3)]  # 11 -> bucket 16
     wants = [1, 1, 5, 2]

@@ -235,3 +235,21 @@ def test_buckets_must_be_increasing_positive_counts():
         else:
             raise AssertionError(f"buckets {bad} accepted")
     assert graphs.TOKEN_BUCKETS[-1] >= 256  # the scheduler's default pass fits a bucket
+
+
+def test_int8_models_leave_position_0_to_the_eager_path():
+    """int8 models compute a sequence's first position apart (its attention sink), which a
+    graph's plain layers would not: a prompt runs eagerly, the steps after it replay."""
+    runs = []
+    for graphs_on in (True, False):
+        weights = random_weights(CONFIG, "cpu", seed=3)
+        lm = LlamaModel(CONFIG, weights, "int8", "cpu", "reference")
+        kw = {"capture": eager_capture} if graphs_on else {"graphs": False}
+        engine = NativeCausalLM(lm, {0}, 16, 4, graph_buckets=BUCKETS, **kw)
+        cache = engine.new_cache()
+        runs.append([engine.forward(torch.tensor([[3, 4, 5]]), cache, 3)])
+        runs[-1].append(engine.forward(torch.tensor([[6, 7]]), cache, 2))
+        if graphs_on:
+            assert engine.graph_replays == 1
+    for a, b in zip(*runs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

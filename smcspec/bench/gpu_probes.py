@@ -177,10 +177,14 @@ class SdpaChoices(TorchFunctionMode):
 
 
 def sdpa_backend(*args: Any, **kwargs: Any) -> str:
+    """The backend torch would pick for these SDPA arguments (or why that is unknown: the
+    probe must not fail the call it watches)."""
     from torch.nn.attention import SDPBackend
 
-    choice = torch._fused_sdp_choice(*args, **kwargs)
-    return SDPBackend(choice).name.lower()
+    try:
+        return SDPBackend(torch._fused_sdp_choice(*args, **kwargs)).name.lower()
+    except Exception as err:
+        return f"unknown ({type(err).__name__}: {err})"
 
 
 def prefill_backends(llm: LLM, prompts: tuple[int, ...], plan: GpuPlan) -> dict[str, list]:

@@ -12,10 +12,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from smcspec.bench import gpu, gpu_probes
-from smcspec.bench.gpu_pairs import PAIRS, GpuPlan, load_config
+from smcspec.bench.gpu_checks import graphs_vs_eager
+from smcspec.bench.gpu_pairs import PAIRS, GpuPlan, build_pair, load_config
 from smcspec.bench.gpu_run import CRASHED, INCOMPLETE
 from smcspec.bench.gpu_targets import TARGETS, targets_table
 from smcspec.bench.results import header, measurements
+from smcspec.models.graphs import GraphRunner
 from smcspec.models.llama import LlamaConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -179,3 +181,13 @@ def test_the_sdpa_spy_names_the_backend_of_each_call():
     with gpu_probes.SdpaChoices() as spy:
         torch.nn.functional.scaled_dot_product_attention(q, k, k, enable_gqa=True)
     assert len(spy.backends) == 1 and spy.backends[0] in {"flash_attention", "math"}
+
+
+def test_the_padded_logits_check_fails_when_no_graph_served_the_batch(monkeypatch):
+    plan = small_plan()
+    pair = build_pair(plan, FIRST)
+    monkeypatch.setattr(GraphRunner, "run", lambda self, *args, **kwargs: None)  # all eager
+    rows = graphs_vs_eager(pair, plan)
+    padded = next(r for r in rows if "(padded)" in r["check"])
+    assert padded["diff"] == 0.0  # eager against eager
+    assert not padded["ok"] and "not served by a graph" in padded["failure"]

@@ -13,6 +13,7 @@ greedy law (see `log_probs`).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -133,7 +134,7 @@ def scores(
     cfg adjusts nothing."""
     if not cfg.adjusts_logits:
         return logits
-    tokens = torch.cat([piece.to(logits.device) for piece in context], dim=1)
+    tokens = torch.cat([to_device(piece, logits.device) for piece in context], dim=1)
     return adjust(logits, tokens, prompt_len, cfg)
 
 
@@ -171,14 +172,14 @@ def adjust(
         return logits
     b, p, v = logits.shape
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    tokens = tokens.to(logits.device)
+    tokens = to_device(tokens, logits.device)
     start = tokens.shape[1] - p + 1  # the first position's context length
     seen = torch.zeros(b, v, dtype=torch.bool, device=logits.device)
     seen.scatter_(1, tokens[:, :start], True)
     counts = torch.zeros(b, v, dtype=dtype, device=logits.device)
     ones = torch.ones_like(tokens, dtype=dtype)
     counts.scatter_add_(1, tokens[:, prompt_len:start], ones[:, prompt_len:start])
-    bias = _bias(cfg, v, dtype, logits.device)
+    bias = dense_bias(cfg.logit_bias, v, dtype, logits.device) if cfg.logit_bias else None
     out = []
     for j in range(p):
         if j > 0:  # the position after token j - 1 of the block
@@ -190,18 +191,21 @@ def adjust(
     return torch.stack(out, dim=1)
 
 
-def _bias(
-    cfg: SamplingConfig, vocab: int, dtype: torch.dtype, device: torch.device
-) -> torch.Tensor | None:
-    """logit_bias as a dense [V] vector; None without one."""
-    if not cfg.logit_bias:
-        return None
-    ids, values = zip(*cfg.logit_bias, strict=True)
+@functools.lru_cache(maxsize=16)
+def dense_bias(
+    pairs: tuple[tuple[int, float], ...], vocab: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """logit_bias (sorted (id, bias) pairs) as a dense [V] vector on `device`, never written to.
+
+    Kept (a few per device): a request's every draft step adds it, and building it anew each
+    step was a [V] host tensor and a copy to the device per step. A pure function of its
+    arguments, so keeping it changes nothing but the cost."""
+    ids, values = zip(*pairs, strict=True)
     if max(ids) >= vocab:
         raise ValueError(f"logit_bias: token {max(ids)} is outside the vocabulary ({vocab})")
     bias = torch.zeros(vocab, dtype=dtype)
     bias[list(ids)] = torch.tensor(values, dtype=dtype)
-    return bias.to(device)
+    return to_device(bias, device)
 
 
 def _penalize(
@@ -228,21 +232,81 @@ def _penalize(
 def sample(logp: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """Draw one token per row by inverting the CDF with one uniform per row (cheaper than
     Gumbel-max over a 150k vocabulary). [..., V] -> [...] int64, always in [0, V).
+    `sample_at` with the next uniforms of `generator`."""
+    return sample_at(logp, uniforms(logp.shape[:-1], generator, logp.device))
+
+
+CPU_CHUNKED_FROM = 16384
+"""The vocabulary size from which the CPU samples in two levels too. Its ~12 extra small
+operations cost more than a short row's one scan; measured on this project's 2-core CPU at 8
+rows (minimum of many, one thread): V = 1k 68 against 122 us, 8k 219 / 241, 32k 717 / 634,
+152k 3.8-8.2 / 2.8-3.4 ms (one level / two). On a GPU the scan is serial: always two levels."""
+
+
+def sample_at(logp: torch.Tensor, u: torch.Tensor, chunked: bool | None = None) -> torch.Tensor:
+    """The token of each row of logp [..., V] at which its CDF first exceeds u [...] (float64
+    in [0, 1), on logp's device) times the row's total. [...] int64, always in [0, V).
+
+    chunked: in two levels (`_invert_chunked`), with no scan over the whole row; False: the
+    one-level reference (`_invert_flat`); None: two levels but on the CPU below
+    `CPU_CHUNKED_FROM` tokens. The two agree but where u falls within rounding of a CDF step.
 
     A token of probability zero has the same CDF value as its predecessor, so `u < cdf[i]`
     first holds at a token of positive probability. A row without mass (all -inf, or NaN: a
-    caller's dead particle) has nothing to draw; it gets its arg-max id (0 if all -inf), never V,
-    which would fail the next forward pass of every request batched with it."""
-    cdf = logp.to(torch.float64, copy=True).exp_().cumsum_(dim=-1)  # [..., V], one new tensor
-    u = uniforms(logp.shape[:-1], generator, logp.device)
-    total = cdf[..., -1]
-    # scaled to the row's total (~1), kept strictly below it despite rounding
-    u = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    token = torch.searchsorted(cdf, u.unsqueeze(-1), right=True).squeeze(-1)
-    empty = ~(total > 0) | total.isinf()  # [...], True where NaN, 0 or inf
+    caller's dead particle) has nothing to draw; it gets its arg-max id (0 if all -inf), never
+    V, which would fail the next forward pass of every request batched with it."""
+    rows = logp.reshape(-1, logp.shape[-1])  # [N, V]
+    if chunked is None:
+        chunked = logp.device.type != "cpu" or rows.shape[1] >= CPU_CHUNKED_FROM
+    invert = _invert_chunked if chunked else _invert_flat
+    token, total = invert(rows, u.reshape(-1))  # [N] each
+    empty = ~(total > 0) | total.isinf()  # [N], True where NaN, 0 or inf
     if logp.device.type != "cpu" or empty.any():  # as in `log_probs`: no host sync
-        token = torch.where(empty, logp.nan_to_num(nan=NEG_INF).argmax(dim=-1), token)
-    return token
+        token = torch.where(empty, rows.nan_to_num(nan=NEG_INF).argmax(dim=-1), token)
+    return token.reshape(logp.shape[:-1])
+
+
+def _invert_flat(rows: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token [N], total mass [N]) of rows [N, V] at u [N]: one float64 cumsum over the row.
+    On CUDA that scan is serial within a row, ~150 dependent steps at V = 152k."""
+    cdf = rows.to(torch.float64, copy=True).exp_().cumsum_(dim=-1)  # [N, V], one new tensor
+    total = cdf[:, -1]
+    target = _below(u * total, total)  # [N]
+    return torch.searchsorted(cdf, target[:, None], right=True).squeeze(1), total
+
+
+def _invert_chunked(rows: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_invert_flat` in two levels: the row is cut into C chunks of W ~ sqrt(V) tokens; the
+    CDF at the chunk ends (a sum per chunk, then a scan over C) finds the chunk the target
+    u * total falls in, and a scan inside that chunk only, of the target less the mass before
+    the chunk, finds the token. Two scans of ~sqrt(V) steps instead of one of V: at
+    V = 152k, 390 and 390 against 152k.
+
+    Never a token of probability zero: the chosen chunk c ends strictly above the target and
+    the one before it at or below, so c's own mass is positive, and the target is kept
+    strictly below the mass the scan inside c adds up (rounding may differ from the chunk's
+    sum), so the scan stops at a token that adds mass."""
+    n, v = rows.shape
+    width = math.isqrt(v - 1) + 1  # W = ceil(sqrt(V))
+    count = -(-v // width)  # C
+    p = rows.new_zeros((n, count * width), dtype=torch.float64)  # the padding: probability 0
+    p[:, :v].copy_(rows).exp_()
+    p = p.view(n, count, width)  # [N, C, W]
+    ends = p.sum(dim=-1).cumsum_(dim=-1)  # [N, C] the CDF at each chunk's last token
+    total = ends[:, -1]
+    target = _below(u * total, total)[:, None]  # [N, 1]
+    # clamped only for rows without mass (NaN sums), whose token `sample_at` replaces
+    c = torch.searchsorted(ends, target, right=True).clamp_(max=count - 1)  # [N, 1]
+    before = ends.gather(1, (c - 1).clamp(min=0)).masked_fill_(c == 0, 0.0)  # [N, 1]
+    inside = p.gather(1, c[:, :, None].expand(n, 1, width)).squeeze(1).cumsum_(dim=-1)  # [N, W]
+    rest = _below(target - before, inside[:, -1:])  # [N, 1], >= 0: before <= target
+    j = torch.searchsorted(inside, rest, right=True).clamp_(max=width - 1)  # [N, 1]
+    return (c * width + j).squeeze(1), total
+
+
+def _below(x: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    """x, kept strictly below limit despite rounding (u * total can round up to total)."""
+    return torch.minimum(x, torch.nextafter(limit, torch.zeros_like(limit)))
 
 
 def uniforms(
@@ -252,9 +316,55 @@ def uniforms(
     generator drives a GPU run with the same stream of numbers as a CPU run (so a seed means
     the same on both), at the cost of copying a few numbers, asynchronously."""
     u = torch.rand(shape, generator=generator, device=generator.device, dtype=torch.float64)
-    return u if u.device == device else u.to(device, non_blocking=True)
+    return to_device(u, device)
 
 
 def pick(logp: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """log p(token) for each row.  logp [..., V], tokens [...] -> [...]."""
     return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+# Host <-> device. Two rules keep the host ahead of a CUDA device: host -> device copies are
+# asynchronous and come from page-locked memory (a `non_blocking` copy from pageable memory may
+# still wait: the driver stages it through a pinned buffer and can synchronize the stream to do
+# so); device -> host reads are batched, since each waits for all the work queued before it.
+# On the CPU and the meta device both are plain copies: `pin_memory` needs CUDA.
+
+
+def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """tensor on `device`, the host not waiting for it: itself when it is there already, else an
+    asynchronous copy, from a page-locked copy of it when it goes from the host to CUDA (which
+    may be dropped at once: PyTorch's pinned allocator keeps the block until the copy ran)."""
+    device = torch.device(device)
+    if tensor.device == device:
+        return tensor
+    if tensor.device.type == "cpu" and device.type == "cuda" and not tensor.is_pinned():
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
+
+
+def to_host(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors on the host, read back with at most one wait for the device: their bytes
+    packed into one buffer, copied once and split again (bit-exact for every dtype). Those on
+    the host already come back as they are; all the others must share one device."""
+    away = [t for t in tensors if t.device.type != "cpu"]
+    if not away:
+        return tensors
+    back = iter(unpack(pack(away).cpu(), away))  # the one wait
+    return tuple(t if t.device.type == "cpu" else next(back) for t in tensors)
+
+
+def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors' bytes, one after another, as one flat uint8 tensor on their device."""
+    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+
+
+def unpack(packed: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`pack`'s bytes split again into tensors of like's dtypes and shapes."""
+    out, start = [], 0
+    for t in like:
+        size = t.numel() * t.element_size()
+        # a copy of its own: view(dtype) needs bytes aligned to the element size
+        out.append(packed[start : start + size].clone().view(t.dtype).reshape(t.shape))
+        start += size
+    return out

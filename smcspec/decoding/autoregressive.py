@@ -64,9 +64,9 @@ class AutoregressiveDecoder:
                     logp, norm = guide.shaped([0], (adjusted if greedy else logp).cpu(), greedy)
                     if torch.isneginf(norm).all():
                         raise guide.dead_end()
-                token = int(sampling.sample(logp, generator)[0])
-                if sampling_cfg.logprobs is not None:
-                    scores.append(self._score(law, token, sampling_cfg.logprobs))
+                token, scored = self._draw(logp, law, sampling_cfg.logprobs, generator)
+                if scored is not None:
+                    scores.append(scored)
                 if guide is not None:
                     guide.advance([0], torch.tensor([token]), torch.tensor([True]))
                 new.append(token)
@@ -86,6 +86,13 @@ class AutoregressiveDecoder:
         logprobs = TokenLogprobs.join(scores) if sampling_cfg.logprobs is not None else None
         return DecodeResult(new, len(new), seconds, split, stats, logprobs=logprobs)
 
-    def _score(self, law: torch.Tensor, token: int, top: int) -> TokenLogprobs:
-        """The token's log-probability under the target's law [1, V], and the top others."""
-        return to_host(*score(law, torch.tensor([token], device=law.device), top))
+    def _draw(
+        self, logp: torch.Tensor, law: torch.Tensor, top: int | None, generator: torch.Generator
+    ) -> tuple[int, TokenLogprobs | None]:
+        """The next token, drawn from logp [1, V], and (when `top` asks for them) its
+        log-probability under the target's law [1, V] with the top others: read back together,
+        the step's one wait for the device."""
+        token = sampling.sample(logp, generator)  # [1]
+        scored = () if top is None else score(law, sampling.to_device(token, law.device), top)
+        token, *scored = sampling.to_host(token, *scored)  # the step's one wait for the device
+        return int(token), to_host(*scored) if scored else None

@@ -55,9 +55,9 @@ def score(
 
 def to_host(chosen: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> TokenLogprobs:
     """`score`'s tensors for one sequence ([T], [T, top], [T, top]) as a TokenLogprobs."""
-    ids_l, values_l = ids.cpu().tolist(), values.cpu().tolist()
-    top = [list(zip(i, v, strict=True)) for i, v in zip(ids_l, values_l, strict=True)]
-    return TokenLogprobs(chosen.cpu().tolist(), top)
+    chosen, ids, values = sampling.to_host(chosen, ids, values)  # one wait, if on the device
+    top = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+    return TokenLogprobs(chosen.tolist(), top)
 
 
 SCORE_BYTES = 64 * 2**20
@@ -142,7 +142,7 @@ def _score_block(
     end = start + logits.shape[1]
     # position j follows prompt[: j + 1]; nothing of the prompt counts as generated text
     law = sampling.law(logits, cfg, cfg.temperature, [ids[:, :end]], ids.shape[1])[0]  # [P, V]
-    return to_host(*score(law, ids[0, start + 1 : end + 1].to(law.device), top))
+    return to_host(*score(law, sampling.to_device(ids[0, start + 1 : end + 1], law.device), top))
 
 
 class ParticleLogprobs:
@@ -157,7 +157,7 @@ class ParticleLogprobs:
     def write(self, rows: torch.Tensor, start: int, scored: tuple[torch.Tensor, ...]) -> None:
         """`score`'s tensors for a block [B, w] of the particles `rows` [B] from position
         `start`."""
-        chosen, ids, values = (t.cpu() for t in scored)
+        chosen, ids, values = sampling.to_host(*scored)  # (the decoder read them back)
         w = chosen.shape[1]
         self.chosen[rows, start : start + w] = chosen.double()
         self.ids[rows, start : start + w] = ids

@@ -174,7 +174,7 @@ class SMCDecoder:
         with clock.stage("draft"):
             drafts, logq_x = self._propose(seqs, d_cache, k, s, generator, guide, prompt.numel())
         with clock.stage("verify"):
-            feed = torch.cat([pending(seqs, t_cache).to(drafts.device), drafts], dim=1)
+            feed = torch.cat([sampling.to_device(pending(seqs, t_cache), drafts.device), drafts], 1)
             logits = self.target.forward(feed, t_cache, k + 1)  # [B, k + 1, V]
             if guide.on_host:
                 logits = logits.cpu()
@@ -182,12 +182,16 @@ class SMCDecoder:
             logp = sampling.tempered(scores, s, s.temperature)  # [B, k + 1, V], for logprobs
             law = guide.target(logp, scores)  # what the weights use (greedy: p constrained)
             # no-ops but for k = 0, whose empty drafts never met the device
-            drafts, logq_x = drafts.to(logp.device), logq_x.to(logp.device)
+            drafts = sampling.to_device(drafts, logp.device)
+            logq_x = sampling.to_device(logq_x, logp.device)
             logp_x = sampling.pick(law[:, :k], drafts)  # [B, k]
             bonus, log_ratio = guide.bonus(law, logp_x, logq_x, generator)  # [B], [B, k + 1]
             scored = _score(logp, drafts, bonus, s.logprobs)
-            # The round's one host sync: the bookkeeping below runs on the host.
-            drafts, bonus, log_ratio = drafts.cpu(), bonus.cpu(), log_ratio.cpu()
+            # The round's one wait for the device, after the K draft steps and the verify pass
+            # are all queued: the weights, EOS and resampling below are decided on the host.
+            drafts, bonus, log_ratio, *scored = sampling.to_host(
+                drafts, bonus, log_ratio, *(scored or ())
+            )
         rows_before = pop.live
         block = torch.cat([drafts, bonus[:, None]], dim=1)  # [B, k + 1]
         increment, kept, ended = self._weigh(block, log_ratio, s)  # [B] each
@@ -197,7 +201,7 @@ class SMCDecoder:
                 rollback(cache, prompt.numel() + pop.generated)
         else:
             pop.reweight(increment)
-            pop.extend(block, kept, ended, scored)
+            pop.extend(block, kept, ended, tuple(scored) or None)
             guide.committed(pop, bonus)
         with clock.stage("resample"):
             self._maybe_resample(pop, rows_before, caches, generator, guide)
@@ -261,10 +265,12 @@ class SMCDecoder:
         pop.collapses += 1
         token = sampling.sample(law, generator)  # [B]
         top = s.logprobs
-        scored = None if top is None else score(logp[:, None], token[:, None], top)
-        token = token.cpu()
+        scored = () if top is None else score(logp[:, None], token[:, None], top)
+        # A collapsed round's second wait: which rows collapsed was known only after the first.
+        token, *scored = sampling.to_host(token, *scored)
         guide.exact(pop, law, token)
-        pop.extend(token[:, None], torch.ones_like(token), torch.isin(token, self._eos(s)), scored)
+        ended = torch.isin(token, self._eos(s))
+        pop.extend(token[:, None], torch.ones_like(token), ended, tuple(scored) or None)
         guide.committed(pop, token)
 
     def _maybe_resample(

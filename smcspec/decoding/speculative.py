@@ -57,7 +57,8 @@ class SpeculativeDecoder:
                 with clock.stage("draft"):
                     drafts, logq = self._propose(seq, d_cache, k, s, generator, len(prompt))
                 with clock.stage("verify"):
-                    feed = torch.cat([pending(seq, t_cache).to(drafts.device), drafts[None]], 1)
+                    head = sampling.to_device(pending(seq, t_cache), drafts.device)
+                    feed = torch.cat([head, drafts[None]], 1)
                     logits = self.target.forward(feed, t_cache, k + 1)  # [1, k + 1, V]
                     context = [seq, drafts[None]]
                     logp = sampling.law(logits, s, s.temperature, context, len(prompt))[0]
@@ -120,40 +121,68 @@ class SpeculativeDecoder:
         s: SamplingConfig,
         generator: torch.Generator,
     ) -> tuple[list[int], int, int, bool]:
-        """Rejection step. Returns (committed tokens, #accepted drafts, #drafts checked, ended)."""
-        eos = self.target.eos_token_ids
-        block: list[int] = []
+        """Rejection step. Returns (committed tokens, #accepted drafts, #drafts checked, ended).
+        drafts [k], logq [k, V], logp [k + 1, V].
+
+        Draft i is kept if u_i < p(x_i) / q(x_i). The first rejected one is replaced by a draw
+        from the residual, or, if all K are kept, a bonus token comes from p: that draw takes
+        the uniform after the last test's. So all K + 1 uniforms are drawn at once and every
+        test and the final draw run on the device, read back in one wait; the generator then
+        moves on by the uniforms a test-by-test loop would have drawn (it stops at an EOS it
+        keeps, and draws nothing after), so a seed gives the same tokens as that loop (a CPU
+        generator draws a vector's numbers one after another, as that loop's)."""
         k = drafts.numel()
-        # p(x) / q(x) of every draft, brought to the host at once (one sync a round)
-        ratios = torch.zeros(0)
-        if k > 0:  # (with k = 0 the empty drafts never met the device)
-            ratios = torch.exp(sampling.pick(logp[:k], drafts) - sampling.pick(logq, drafts))
-            ratios = ratios.clamp(max=1.0).cpu()  # [k]
-        for i, x in enumerate(drafts.tolist()):
-            ratio = ratios[i]
-            u = torch.rand((), generator=generator, dtype=torch.float64)
-            if u < ratio:
-                block.append(x)
-                if s.stop_at_eos and x in eos:
-                    return block, i + 1, i + 1, True
-                continue
-            token = int(sampling.sample(_residual(logp[i], logq[i]), generator))
-            block.append(token)
-            return block, i, i + 1, s.stop_at_eos and token in eos
-        token = int(sampling.sample(logp[len(block)], generator))
-        block.append(token)
-        return block, len(drafts), len(drafts), s.stop_at_eos and token in eos
+        state = generator.get_state()
+        u = sampling.uniforms((k + 1,), generator, logp.device)  # [k + 1]
+        accepted, final = _decide(drafts, logq, logp, u)
+        # The round's one wait for the device, after the K draft steps and the verify pass.
+        drafts, accepted, final = sampling.to_host(drafts, accepted, final)
+        block, n = drafts.tolist(), int(accepted)
+        eos = self.target.eos_token_ids if s.stop_at_eos else frozenset()
+        end = next((i for i, x in enumerate(block[:n]) if x in eos), None)
+        if end is not None:  # a kept EOS: no later test, no final draw
+            _advance(generator, state, end + 1)
+            return block[: end + 1], end + 1, end + 1, True
+        _advance(generator, state, min(n + 2, k + 1))
+        token = int(final)
+        return [*block[:n], token], n, min(n + 1, k), token in eos
+
+
+def _decide(
+    drafts: torch.Tensor, logq: torch.Tensor, logp: torch.Tensor, u: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rejection step on the device, no host sync: (n, the drafts [k] kept before the first
+    rejection, []; the final token, []), with draft i kept if u_i < p(x_i) / q(x_i) and the
+    final token drawn at the uniform after the last test's: at u_{n+1} from the residual at
+    draft n, or at u_k from p after all k. logq [k, V], logp [k + 1, V], u [k + 1]."""
+    k = drafts.numel()
+    if k == 0:
+        none = torch.zeros((), dtype=torch.long, device=logp.device)
+        return none, sampling.sample_at(logp[0], u[0])
+    ratio = torch.exp(sampling.pick(logp[:k], drafts) - sampling.pick(logq, drafts))  # [k]
+    n = (u[:k] < ratio.clamp(max=1.0)).long().cumprod(dim=0).sum()  # []
+    # rows picked by a device index: indexing with a tensor scalar would read it on the host
+    at = n.clamp(max=k - 1)[None]  # [1] the first rejected draft, or the last draft
+    residual = _residual(logp.index_select(0, at)[0], logq.index_select(0, at)[0])
+    law = torch.where(n < k, residual, logp.index_select(0, n[None])[0].double())  # [V]
+    return n, sampling.sample_at(law, u.index_select(0, at + 1)[0])
+
+
+def _advance(generator: torch.Generator, state: torch.Tensor, used: int) -> None:
+    """Set generator to `state` moved on by `used` uniforms, as if only those had been drawn."""
+    generator.set_state(state)
+    torch.rand(used, generator=generator, device=generator.device, dtype=torch.float64)
 
 
 def _residual(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
-    """log of  max(0, p - q) / Z  [V]; falls back to p if the residual vanishes numerically."""
+    """log of  max(0, p - q) / Z  [V] (float64); p itself (float64) if the residual vanishes
+    numerically. No host sync."""
     diff = (logp.double().exp() - logq.double().exp()).clamp_min(0.0)
     total = diff.sum()
-    if total <= 0:
-        return logp
-    return (diff / total).log()
+    return torch.where(total <= 0, logp.double(), (diff / total).log())
 
 
 def _score(logp: torch.Tensor, block: list[int], top: int) -> TokenLogprobs:
     """The block's tokens under the target's law at their positions (logp [len(block), V])."""
-    return to_host(*score(logp, torch.tensor(block, device=logp.device), top))
+    # the round's second wait: the block is known only after the first
+    return to_host(*score(logp, sampling.to_device(torch.tensor(block), logp.device), top))

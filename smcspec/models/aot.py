@@ -300,15 +300,20 @@ def ctas_per_sm(registers: int, warps: int, shared_bytes: int) -> int:
     return min(by_registers, by_shared, 64 // warps, 32)
 
 
-def compile_cases(cases: list[Case], arch: int = HOPPER) -> list[Usage | Failure]:
+def compile_cases(
+    cases: list[Case], arch: int = HOPPER, progress: Callable[[int, Case], None] | None = None
+) -> list[Usage | Failure]:
     """Every launch of every case, in order; launches the JIT would specialize alike (cases
-    differing only in values it does not specialize on) share one compile."""
+    differing only in values it does not specialize on) share one compile. `progress` is
+    called with each case's index before it compiles."""
     from triton.backends.compiler import GPUTarget
 
     target = GPUTarget("cuda", arch, 32)
     done: dict[str, Usage | Failure] = {}
     results: list[Usage | Failure] = []
-    for case in cases:
+    for i, case in enumerate(cases):
+        if progress is not None:
+            progress(i, case)
         for launch in capture(case):
             spec = _specialize(launch, target)
             if spec.key not in done:

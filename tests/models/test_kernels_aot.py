@@ -59,7 +59,7 @@ def _probes() -> list:
     x = torch.zeros(128 * 128)
     with aot.intercept() as launches:
         _interpreter_only[(1,)](x, N=64)
-        _spilling[(1,)](x, N=128, num_warps=1)
+        _spilling[lambda meta: (meta["N"] // 64,)](x, N=128, num_warps=1)  # a grid from meta
     return [aot.compile_launch("probe", launch) for launch in launches]
 
 
@@ -130,6 +130,7 @@ def test_the_checks_catch_a_broken_kernel(compiled: list[dict]) -> None:
     probes = {r["kernel"]: r for r in compiled if r["case"] == "probe"}
     assert probes["_interpreter_only"]["type"] == "Failure", probes["_interpreter_only"]
     assert probes["_spilling"]["type"] == "Usage", probes["_spilling"]
+    assert probes["_spilling"]["grid"] == [2]
     assert probes["_spilling"]["spill_bytes"] > 0, probes["_spilling"]
 
 

@@ -260,7 +260,8 @@ def bench_all(run: Run) -> None:
     """The read bandwidth, the kernel and the sampler alone, then each pair's bench."""
     plan = run.plan
     bandwidth = run.record("bandwidth", "read bandwidth", probes.read_bandwidth, plan)
-    run.record("kernel", "paged attention alone", kernel_ms, plan, run.deadline)
+    kernel = run.record("kernel", "paged attention alone", kernel_ms, plan, run.deadline)
+    run.not_run_rows("paged attention alone", (kernel or {}).get("ms", {}))
     rows, vocab = plan.sample_shape
     run.record("sample", "sampling.sample alone", probes.sample_ms, rows, vocab, plan)
     for name in plan.pairs:
@@ -311,6 +312,7 @@ def bench_pair(run: Run, name: str, bandwidth: dict | None) -> None:
         steps = run.stage(f"{name} {mode}: step grid", step_ms, llm, context, plan, run.deadline)
         if steps is not None:
             run.log.add(f"steps|{name}|{mode}", {"pair": name, "mode": mode, "ms": steps})
+            run.not_run_rows(f"{name} {mode}", steps)
         if graphs:  # the engine as it runs on a GPU
             _graph_probes(run, name, llm, context, prompt)
         for method in plan.methods:
@@ -325,9 +327,9 @@ def bench_pair(run: Run, name: str, bandwidth: dict | None) -> None:
 
 def _graph_probes(run: Run, name: str, llm: LLM, context: list[int], prompt: list[int]) -> None:
     plan = run.plan
-    run.record(
-        f"long|{name}", f"{name}: long-context steps", long_context_ms, llm, plan, run.deadline
-    )
+    what = f"{name}: long-context steps"
+    long = run.record(f"long|{name}", what, long_context_ms, llm, plan, run.deadline)
+    run.not_run_rows(name, long or {})
     # bench engine's timing: its plan fields are this plan's
     run.record(f"resample|{name}", f"{name}: resampling", resample_timing, llm, context, plan)
     run.record(f"kv|{name}", f"{name}: KV memory", kv_memory, llm, prompt, plan)

@@ -147,7 +147,7 @@ class GpuPlan:
             sample_shape=(8, 512),
             prefill_prompts=(20,),
             long_prompt=64,
-            sync_tokens=20,
+            sync_tokens=12,
             num_pages=512,
         )
 

@@ -4,6 +4,7 @@ per measurement or check."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import statistics
 from dataclasses import fields
 from pathlib import Path
@@ -35,7 +36,17 @@ def run_header(plan: GpuPlan) -> dict[str, Any]:
         "plan": settings,
         "shapes": shapes,
         "sd_acceptance": {"value": SD_ACCEPTANCE, "source": SD_ACCEPTANCE_SOURCE},
+        "triton": _version("triton"),
+        # "highest" keeps float32 matmuls float32: the checks' 1e-3 assumes it
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
     }
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _shape(cfg: dict) -> str:
@@ -54,8 +65,9 @@ def write_report(out_dir: str | Path) -> str:
     lines = [
         f"# Native engine on {hdr['device_name']} ({plan['dtype']}, attention {plan['attention']})",
         "",
-        f"{machine.one_line(hdr['machine'])}. Random N(0, 0.02) weights of the published "
-        f"configs, q and k projections {plan['qk_scale']:g}x larger (peaked attention; "
+        f"{machine.one_line(hdr['machine'])}, Triton {hdr.get('triton')}, float32 matmul "
+        f"precision {hdr.get('float32_matmul_precision')}. Random N(0, 0.02) weights of the "
+        f"published configs, q and k projections {plan['qk_scale']:g}x larger (peaked attention; "
         f"{plan['check_qk_scale']:g}x and {plan['check_dtype']} for the correctness checks). "
         f"Forward passes: a cache of {plan['context']} tokens, median of "
         f"{plan['reps']} timings after a warm-up, the device synchronised at each clock read. "
@@ -102,7 +114,7 @@ def _alone_report(records: dict[str, dict]) -> list[str]:
             f"| `{kernel['kernel']}` ({nh}/{nkv} heads, head_dim {d}): sequences x query "
             "tokens at keys | ms, one layer |",
             "|---|---|",
-            *(f"| {case} | {_ms(ms)} |" for case, ms in kernel["ms"].items()),
+            *(f"| {case} | {_ms(ms, True)} |" for case, ms in kernel["ms"].items()),
         ]
     return lines
 
@@ -126,12 +138,13 @@ def _pair_report(name: str, hdr: dict, records: dict[str, dict]) -> list[str]:
         ]
     for row in dict.fromkeys([*eager, *graphs]):
         e, g = eager.get(row), graphs.get(row)
-        lines.append(f"| {row} | {_ms(e)} | {_ms(g)} | {_x(e / g if e and g else None)} |")
+        cells = [_ms(e, row in eager), _ms(g, row in graphs), _x(e / g if e and g else None)]
+        lines.append(f"| {row} | {' | '.join(cells)} |")
     lines += _floor_line(name, eager, graphs, records)
     long = records.get(f"long|{name}")
     if long:
         lines += ["", "| at long contexts (graphs, ms) | |", "|---|---|"]
-        lines += [f"| {row} | {_ms(ms)} |" for row, ms in long.items() if row != "key"]
+        lines += [f"| {row} | {_ms(ms, True)} |" for row, ms in long.items() if row != "key"]
     lines += _memory_lines(name, hdr, records)
     lines += _engine_probe_lines(name, records)
     return lines + _e2e_lines(name, hdr, records)
@@ -272,7 +285,10 @@ def _checks_report(records: dict[str, dict]) -> list[str]:
     for r in checks:
         diff, tol = r.get("diff"), r.get("tol")
         cells = [f"{diff:.2e}" if diff is not None else "-", f"{tol:.1e}" if tol else "-"]
-        lines.append(f"| {r['check']} | {cells[0]} | {cells[1]} | {_verdict(r['ok'])} |")
+        served = (
+            f" (graphs served {r['replays']} of {r['passes']} passes)" if r.get("passes") else ""
+        )
+        lines.append(f"| {r['check']}{served} | {cells[0]} | {cells[1]} | {_verdict(r['ok'])} |")
     return lines
 
 
@@ -319,7 +335,8 @@ def _x(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
-def _ms(value: float | None) -> str:
+def _ms(value: float | None, planned: bool = False) -> str:
+    """Milliseconds; a row that was planned but has no value did not run."""
     if value is None:
-        return "-"
+        return "not run" if planned else "-"
     return f"{value:.2f}" if value >= 0.1 else f"{value:.4f}"

@@ -77,6 +77,13 @@ class Run:
         self.log.add(f"not-run|{name}", {"stage": name, "why": why, "checks": checks})
         (self.unchecked if checks else self.skipped).append(f"{name} ({why})")
 
+    def not_run_rows(self, prefix: str, rows: dict[str, Any]) -> None:
+        """A not-run row for each row a stage left None (the deadline passed inside it)."""
+        for row, value in rows.items():
+            if value is None:
+                self.not_run(f"{prefix}: {row}", "time budget")
+        self.write()
+
     def write(self) -> None:
         """gpu.md from gpu.jsonl as it stands; a report that cannot be written leaves the
         reason in gpu.md instead (gpu.jsonl still holds every record)."""

@@ -12,8 +12,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from smcspec.bench import gpu, gpu_probes
-from smcspec.bench.gpu_checks import graphs_vs_eager
-from smcspec.bench.gpu_pairs import PAIRS, GpuPlan, build_pair, load_config
+from smcspec.bench.gpu_checks import graphs_vs_eager, scheduler_batch
+from smcspec.bench.gpu_pairs import PAIRS, GpuPlan, build_pair, load_config, pair_llm
 from smcspec.bench.gpu_run import CRASHED, INCOMPLETE
 from smcspec.bench.gpu_targets import TARGETS, targets_table
 from smcspec.bench.results import header, measurements
@@ -191,3 +191,39 @@ def test_the_padded_logits_check_fails_when_no_graph_served_the_batch(monkeypatc
     padded = next(r for r in rows if "(padded)" in r["check"])
     assert padded["diff"] == 0.0  # eager against eager
     assert not padded["ok"] and "not served by a graph" in padded["failure"]
+
+
+def test_the_scheduler_check_reports_the_share_of_passes_graphs_served():
+    plan = small_plan()
+    (row,) = scheduler_batch(build_pair(plan, FIRST), plan)
+    assert row["ok"] and 0 < row["replays"] <= row["passes"]
+
+
+class _PassesAfter:
+    """A deadline that passes after `calls` checks."""
+
+    def __init__(self, calls: int) -> None:
+        self.left = calls
+
+    def passed(self) -> bool:
+        self.left -= 1
+        return self.left < 0
+
+
+def test_the_deadline_stops_a_step_grid_between_rows():
+    plan = dataclasses.replace(small_plan(), verify=((1, 4), (2, 4)))
+    llm = pair_llm(build_pair(plan, FIRST), False, plan)
+    ms = gpu.step_ms(llm, list(range(1, 33)), plan, _PassesAfter(1))
+    assert ms["target step"] > 0
+    assert ms["verify 1x4"] is ms["verify 2x4"] is ms["draft step batch 1"] is None
+
+
+def test_rows_a_stage_left_out_are_not_run_in_the_report(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu, "step_ms", lambda *a: {"target step": 1.0, "verify 1x4": None})
+    for stage in ("e2e", "hf_generate", "_graph_probes"):
+        monkeypatch.setattr(gpu, stage, lambda *a: None)
+    outcome = gpu.run_all(small_plan(), tmp_path, only="bench")
+    assert f"{FIRST} eager: verify 1x4 (time budget)" in outcome.skipped
+    text = (tmp_path / "gpu.md").read_text()
+    assert "| verify 1x4 | not run | not run | - |" in text
+    assert f"- {FIRST} graphs: verify 1x4: time budget" in text

@@ -25,6 +25,8 @@ import pytest
 triton = pytest.importorskip("triton")
 tl = triton.language
 
+# One worker runs the four tests: the module's fixture compiles once per worker that has one.
+pytestmark = pytest.mark.xdist_group("kernels_aot")
 ROOT = Path(__file__).resolve().parents[2]
 # Two CTAs resident per SM at the least, so one's loads overlap the other's math: at most
 # 32K registers a CTA (128 a thread at 8 warps; the 255 ptxas allows at 4) and about 113 KB of

@@ -108,14 +108,35 @@ def _alone_report(records: dict[str, dict]) -> list[str]:
     if sample:
         lines.append(f"`sampling.sample`: {_ms(sample['value'])} ms (median).")
     if kernel:
-        nh, nkv, d = kernel["heads"]
-        lines += [
-            "",
-            f"| `{kernel['kernel']}` ({nh}/{nkv} heads, head_dim {d}): sequences x query "
-            "tokens at keys | ms, one layer |",
-            "|---|---|",
-            *(f"| {case} | {_ms(ms, True)} |" for case, ms in kernel["ms"].items()),
-        ]
+        lines += _kernel_lines(kernel, records)
+    return lines
+
+
+def _kernel_lines(kernel: dict, records: dict[str, dict]) -> list[str]:
+    """The kernel per case, and times the layers of the pair whose target has its heads,
+    against that target's one-token step (graphs, plan.context keys)."""
+    nh, nkv, d = kernel["heads"]
+    floor = next(
+        (
+            r
+            for k, r in records.items()
+            if k.startswith("floor|") and r.get("heads") == kernel["heads"]
+        ),
+        None,
+    )
+    layers = floor["layers"] if floor else None
+    step = records.get(f"steps|{floor['pair']}|graphs", {}).get("ms", {}) if floor else {}
+    one = step.get("target step")
+    lines = [
+        "",
+        f"| `{kernel['kernel']}` ({nh}/{nkv} heads, head_dim {d}): sequences x query tokens at "
+        f"keys | ms, one layer | x {layers or '-'} layers | / one-token step ({_ms(one)} ms) |",
+        "|---|---|---|---|",
+    ]
+    for case, ms in kernel["ms"].items():
+        total = ms * layers if ms is not None and layers else None
+        share = _x(total / one if total and one else None)
+        lines.append(f"| {case} | {_ms(ms, True)} | {_ms(total)} | {share} |")
     return lines
 
 

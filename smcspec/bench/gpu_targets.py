@@ -4,6 +4,7 @@ missing). Pure functions of the records: the report calls them, and so can a tes
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -81,6 +82,16 @@ def sd_over_ar(name: str, records: Records) -> float | None:
     return _div(sd, _decode(name, records, "ar"))
 
 
+def prefill_memory(name: str, records: Records) -> float | None:
+    """Peak device memory of the long prefill over the device's; inf when it ran out."""
+    r = records.get(f"prefill|{name}")
+    if not r:
+        return None
+    if not r["fits"]:
+        return math.inf
+    return _div(r.get("peak_bytes"), r.get("device_bytes"))
+
+
 def syncs(label: str) -> Callable[[str, Records], float | None]:
     def per_round(name: str, records: Records) -> float | None:
         return records.get(f"syncs|{name}|{label}", {}).get("syncs_per_round")
@@ -97,6 +108,7 @@ TARGETS = (
     Target("sd K=4 >= 2x ar (decode, predicted at a = 0.95)", 2.0, False, sd_over_ar),
     Target("host syncs per sd K=4 round <= 1", 1.0, True, syncs("sd K=4")),
     Target("host syncs per smc N=8 K=8 round <= 1", 1.0, True, syncs("smc N=8 K=8")),
+    Target("a 32k-token prefill fits (peak / device memory)", 1.0, True, prefill_memory),
 )
 
 

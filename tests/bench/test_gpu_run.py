@@ -163,6 +163,7 @@ def test_the_targets_pass_miss_or_were_not_run():
         f"e2e|{name}|graphs|ar": {"decode_tokens_per_second": 100.0},
         f"e2e|{name}|graphs|smc N=8 K=8": {"decode_tokens_per_second": 260.0},
         f"syncs|{name}|sd K=4": {"syncs_per_round": 2.0},
+        f"prefill|{name}": {"fits": False, "tokens": 32000},
     }  # fmt: skip
     got = {t.what: t.judge(name, records) for t in TARGETS}
     assert got["target step <= 1.3x its floor"] == (pytest.approx(4.0 / 3.3), True)
@@ -172,6 +173,7 @@ def test_the_targets_pass_miss_or_were_not_run():
     assert got["smc N=8 K=8 >= 2.5x ar (decode, graphs)"] == (2.6, True)
     assert got["sd K=4 >= 2x ar (decode, predicted at a = 0.95)"] == (None, None)
     assert got["host syncs per sd K=4 round <= 1"] == (2.0, False)
+    assert got["a 32k-token prefill fits (peak / device memory)"] == (float("inf"), False)
     table = "\n".join(targets_table([name], records))
     assert "| 1.5 | **miss** |" in table and "| - | not run |" in table
 

@@ -115,8 +115,8 @@ SOURCES = {
     "float64 scan of the row) on the CUDA branch: 40 aten ops, 6 of them views, counted on the "
     "meta device at commit b5936c1",
     "chunked_sample_launches": "the same for the two-level sampler (law + sample_at, chunks of "
-    "~sqrt(V)): counted on the meta device (views and allocations not counted, as "
-    "launches.count_ops)",
+    "~sqrt(V)): counted on the meta device at commit a6a70a8 (views and allocations not "
+    "counted, as launches.count_ops)",
     "scan_one_row_s": "float64 CDF scan of one row of 152k logits (CUB's device scan): ASSUMED",
     "scan_rows_s": f"float64 CDF scan at >= 2 rows, one 512-thread block a row: 0.1-0.2 ms "
     f"({PREFLIGHT}, finding 6)",
@@ -178,7 +178,7 @@ class Design:
     split_kv: bool  # new attention: once per (sequence, kv head, split), queries packed
     launches: Launches
     launches_source: str
-    waits_per_round: int  # host waits per sd / smc round
+    waits: dict[str, int]  # method -> host waits per round (ar: per token)
     chunked_sampling: bool  # two-level CDF inversion (else one float64 scan of the row)
 
 
@@ -189,19 +189,24 @@ def per_layer_launches(per_layer: int, fixed: int) -> Launches:
     return lambda shape, rows, t: per_layer * shape.layers + fixed
 
 
+# Host waits per round without logprobs, counted on the meta device before and after commit
+# a6a70a8 (its message): blocking copies of the drafts, sd's accept tests read one by one.
+WAITS_SOURCE = "counted on the meta device before and after commit a6a70a8, without logprobs"
+OLD_WAITS = {"ar": 1, "sd": 4, "smc": 3}
+NEW_WAITS = {"ar": 1, "sd": 1, "smc": 1}
+
+
 def old_design(launches: Launches, launches_source: str) -> Design:
-    """The engine before issue 26: per-(token, head) attention, the plain torch layer, a
-    blocking copy of the drafts before each verify besides the round's own wait, one float64
-    scan of the vocabulary per draw."""
-    return Design(
-        "old", False, launches, launches_source, waits_per_round=2, chunked_sampling=False
-    )
+    """The engine before issue 26: per-(token, head) attention, the plain torch layer, blocking
+    host copies inside a round, one float64 scan of the vocabulary per draw."""
+    return Design("old", False, launches, launches_source, OLD_WAITS, chunked_sampling=False)
 
 
 def new_design(launches: Launches, launches_source: str) -> Design:
     """Split-KV attention (its merges added by `pass_cost`), the fused layer, one host wait a
-    round (asynchronous copies from pinned memory), the two-level sampler."""
-    return Design("new", True, launches, launches_source, waits_per_round=1, chunked_sampling=True)
+    round (asynchronous copies from pinned memory, one packed read back), the two-level
+    sampler."""
+    return Design("new", True, launches, launches_source, NEW_WAITS, chunked_sampling=True)
 
 
 # ---- one forward pass -----------------------------------------------------------------------
@@ -364,18 +369,19 @@ def round_costs(
     pair: Pair, method: Method, design: Design, a: Assumptions, context: int
 ) -> dict[str, Any]:
     """The costs dict `roofline.predict` takes, in seconds: target_one is ar's time a token
-    (step, sampling, one host wait); a draft step carries its sampling call; the verify
+    (step, sampling, its host wait); a draft step carries its sampling call; the verify
     carries the bonus token's sampling call and the round's host waits."""
-    _, n, k = method
+    name, n, k = method
 
     def step(shape: ModelShape, rows: int, t: int) -> float:
         drawn = sample_s(rows, rows * t, pair.target.vocab, design, a)
         return pass_cost(shape, rows, t, context, design, a).total_s + drawn
 
-    costs: dict[str, Any] = {"target_one": step(pair.target, 1, 1) + a.host_wait_s}
+    ar_wait = design.waits["ar"] * a.host_wait_s
+    costs: dict[str, Any] = {"target_one": step(pair.target, 1, 1) + ar_wait}
     if k:
         costs["draft"] = {1: step(pair.draft, 1, 1), n: step(pair.draft, n, 1)}
-        verify = step(pair.target, n, k + 1) + design.waits_per_round * a.host_wait_s
+        verify = step(pair.target, n, k + 1) + design.waits[name] * a.host_wait_s
         costs["verify"] = {(n, k): verify}
     return costs
 
@@ -464,7 +470,8 @@ def _speedup(method: Method) -> Callable[[Pair, Design, Assumptions, float], tup
 
 
 def _waits(pair: Pair, d: Design, a: Assumptions, alpha: float) -> tuple[float, str]:
-    return d.waits_per_round, f"{d.waits_per_round} (design)"
+    waits = max(d.waits["sd"], d.waits["smc"])
+    return waits, f"sd {d.waits['sd']}, smc {d.waits['smc']}"
 
 
 TARGETS = (
@@ -655,7 +662,7 @@ def _inputs(designs: tuple[Design, Design], alpha: float, alpha_source: str) -> 
         sampler = "two-level (chunked)" if d.chunked_sampling else "one float64 scan a row"
         lines.append(
             f"- {d.name} design: attention {attention}; launches: {d.launches_source}; "
-            f"{d.waits_per_round} host wait(s) per sd/smc round; sampler {sampler}."
+            f"host waits per round: {d.waits} ({WAITS_SOURCE}); sampler {sampler}."
         )
     lines.append(
         "- Not priced: prefill, resampling, the smc first draft step's extra token, the "

@@ -133,10 +133,10 @@ def test_sd_gains_with_acceptance_and_smc_does_not_depend_on_it():
     assert len(smc) == 1
 
 
-@pytest.mark.parametrize("design,waits", [(OLD, 2), (NEW, 1)], ids=["old", "new"])
+@pytest.mark.parametrize("design,waits", [(OLD, 3), (NEW, 1)], ids=["old", "new"])
 def test_the_speed_is_the_roofline_round(design, waits):
     """smc N=8 K=8, its round assembled by hand from the passes: the old design waits for the
-    host twice a round (a blocking copy of the drafts, then the round's results), the new once."""
+    host three times a round (blocking copies of the drafts), the new once."""
     pair = ge.Pair.load(ge.ESTIMATE_PAIR)
 
     def step(shape, rows, t):
@@ -149,6 +149,12 @@ def test_the_speed_is_the_roofline_round(design, waits):
     assert s.round_s == pytest.approx(round_s)
     assert s.speedup == pytest.approx(9 * ar / round_s)
     assert s.tokens_per_s == pytest.approx(9 / round_s)
+    # sd K=4: the old design read its 4 accept tests back one by one
+    sd = ge.speed(pair, ("sd", 1, 4), design, A, 1.0, 512)
+    sd_waits = {"old": 4, "new": 1}[design.name]
+    assert sd.round_s == pytest.approx(
+        4 * step(pair.draft, 1, 1) + step(pair.target, 1, 5) + sd_waits * A.host_wait_s
+    )
 
 
 def test_a_sampling_call_worked_by_hand():

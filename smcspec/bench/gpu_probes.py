@@ -221,7 +221,9 @@ def long_prefill(llm: LLM, tokens: int, plan: GpuPlan) -> dict[str, Any]:
             lm.forward(ids, cache, 1)
             machine.drain()
             record["seconds"] = time.perf_counter() - start
-    except torch.OutOfMemoryError as err:
+    except RuntimeError as err:  # torch.OutOfMemoryError, or a library's failed allocation
+        if not _out_of_memory(err):
+            raise
         record.update(fits=False, error=str(err).splitlines()[0])
     finally:
         cache.release()
@@ -230,3 +232,10 @@ def long_prefill(llm: LLM, tokens: int, plan: GpuPlan) -> dict[str, Any]:
         record["device_bytes"] = torch.cuda.get_device_properties(plan.device).total_memory
         torch.cuda.empty_cache()
     return record
+
+
+def _out_of_memory(err: RuntimeError) -> bool:
+    text = str(err).lower()
+    return (
+        isinstance(err, torch.OutOfMemoryError) or "out of memory" in text or "alloc_failed" in text
+    )

@@ -229,3 +229,18 @@ def test_rows_a_stage_left_out_are_not_run_in_the_report(tmp_path, monkeypatch):
     text = (tmp_path / "gpu.md").read_text()
     assert "| verify 1x4 | not run | not run | - |" in text
     assert f"- {FIRST} graphs: verify 1x4: time budget" in text
+
+
+def test_a_long_prefill_that_runs_out_of_memory_is_a_finding_not_a_crash(monkeypatch):
+    plan = small_plan()
+    llm = pair_llm(build_pair(plan, FIRST), False, plan)
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 120.00 GiB")
+
+    monkeypatch.setattr(llm.target, "forward", out_of_memory)
+    record = gpu_probes.long_prefill(llm, 64, plan)
+    assert not record["fits"] and record["error"].startswith("CUDA out of memory")
+    monkeypatch.setattr(llm.target, "forward", lambda *a: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        gpu_probes.long_prefill(llm, 64, plan)

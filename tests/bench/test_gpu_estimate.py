@@ -1,5 +1,20 @@
 """The H200 estimate (`bench.gpu_estimate`): its formulas against numbers worked by hand, its
-monotonicity where a swapped argument would show, and the script's table."""
+monotonicity where a swapped argument would show, and the script's table.
+
+Each was run against a broken copy of the module in a private clone, and failed on it:
+- the floor: 2 x bytes / bandwidth (the bench's old half-bandwidth floor); the LM head left out;
+- attention bytes by hand: the old kernel's reads per kv head, not per query head; keys seen
+  off by one (t(t-1)/2); K without V; the new kernel reading per query token; rows for t;
+- rows vs new tokens: rows and t swapped in pass_cost's attention call, or in attention_bytes;
+- the context: attention called with t in the context's place;
+- the old kernel's waves: one wave assumed; the new kernel's splits (and plan's): no cap of 16,
+  a fill of one wave, 64-row tiles for a decode step;
+- costlier draft / target: draft steps priced on the target; the round by hand: the verify
+  priced on the draft, one host wait whatever the design or method, ar without its wait;
+- sd vs acceptance: K+1 tokens for sd; a sampling call: no logits traffic, traffic per draw,
+  the flat scan's 8-row cost at one row; the slow end: a faster kernel cost there;
+- targets: the strict 15% made <=; acceptance: the mean of per-run rates, hf runs counted.
+"""
 
 import json
 import os

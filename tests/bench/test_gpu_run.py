@@ -47,7 +47,7 @@ def test_a_stage_that_raises_is_a_crash_row_and_later_stages_run(tmp_path, monke
 
     monkeypatch.setattr(gpu, "step_ms", boom)
     outcome = gpu.run_all(small_plan(), tmp_path, only="bench")
-    assert outcome.crashed == [f"{FIRST} eager: step grid", f"{FIRST} graphs: step grid"]
+    assert outcome.crashed == [f"{FIRST} graphs: step grid", f"{FIRST} eager: step grid"]
     assert outcome.exit_code == CRASHED and outcome.failures == []
     # what comes after the step grids ran: end to end, transformers, the probes
     assert {f"e2e|{FIRST}|graphs|ar", f"hf|{FIRST}", f"prefill|{FIRST}"} <= keys(tmp_path)

@@ -126,6 +126,10 @@ def _add_gpu(bsub) -> None:
     )
     gpu.add_argument("--new-tokens", type=int, default=None, help="new tokens per end-to-end run")
     gpu.add_argument("--reps", type=int, default=None, help="timed repetitions per forward shape")
+    gpu.add_argument("--pairs", default=None, help="comma-separated model pairs (default: all)")
+    gpu.add_argument(
+        "--time-budget", type=float, default=None, help="seconds; what does not fit is not run"
+    )
 
 
 def _add_fidelity(bsub) -> None:
@@ -310,11 +314,21 @@ def _gpu(args: argparse.Namespace) -> int:
     for name in ("new_tokens", "reps"):
         if getattr(args, name) is not None:
             plan = dataclasses.replace(plan, **{name: getattr(args, name)})
-    outcome = run_all(plan, args.out)
+    if args.pairs is not None:
+        pairs = tuple(p.strip() for p in args.pairs.split(",") if p.strip())
+        plan = dataclasses.replace(plan, pairs=pairs)  # an unknown pair: ValueError, exit 2
+    if args.time_budget is not None and args.time_budget < 0:
+        raise ValueError(f"--time-budget must be >= 0, got {args.time_budget}")
+    outcome = run_all(plan, args.out, budget_s=args.time_budget)
     print(outcome.report)
     for line in outcome.failures:
         print(f"smcspec: check failed: {line}", file=sys.stderr)
-    return 1 if outcome.failures else 0
+    for line in outcome.crashed:
+        print(f"smcspec: stage raised: {line} (traceback in gpu.md)", file=sys.stderr)
+    for line in outcome.skipped:
+        print(f"smcspec: not run: {line}", file=sys.stderr)
+    # scripts/gpu_check's codes: 1 a check failed, 3 a stage raised, 4 a check did not run
+    return outcome.exit_code
 
 
 def _gpu_plan(device: str, dtype: str):

@@ -244,3 +244,17 @@ def test_a_long_prefill_that_runs_out_of_memory_is_a_finding_not_a_crash(monkeyp
     monkeypatch.setattr(llm.target, "forward", lambda *a: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         gpu_probes.long_prefill(llm, 64, plan)
+
+
+def test_bench_gpu_exits_with_the_scripts_codes(tmp_path, capsys):
+    """`smcspec bench gpu` is the same run as scripts/gpu_check: a budget that cuts the checks
+    exits 4 (never 0), and an unknown pair is one line and exit 2 before anything is built."""
+    from smcspec.cli import main
+
+    argv = ["bench", "gpu", "--smoke", "--out", str(tmp_path), "--pairs", SECOND]
+    assert main([*argv, "--time-budget", "0"]) == INCOMPLETE
+    assert header(tmp_path / "gpu.jsonl")["plan"]["pairs"] == [SECOND]
+    assert "not run:" in capsys.readouterr().err
+    assert main(["bench", "gpu", "--smoke", "--out", str(tmp_path), "--pairs", "llama-70b"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown pair 'llama-70b'" in err[0]

@@ -54,6 +54,10 @@ class ForwardBatch:
     # append no token (a graph's padding row). None: derived from seq_index by the kernel.
     query_starts: torch.Tensor | None = None
     block_tables: torch.Tensor | None = None  # [B, P] int32 page ids (paged only)
+    # The most tokens any sequence appends, a host int fixed for the batch's lifetime (a CUDA
+    # graph's: the most any pass it replays may bring): it picks the paged kernel's tile. None:
+    # the average, which a graph's padding rows make 1.
+    max_query_len: int | None = None
     gather: GatherPlan | None = None  # (gather only)
     attention: Attention | None = None  # the implementation for this batch (None: the model's)
 
@@ -148,7 +152,10 @@ class PagedAttention:
         args = (q, kv.k[layer], kv.v[layer], batch.block_tables, batch.seq_index)
         if self._fn is paged_attention.reference:  # the definition needs no packing hint
             return self._fn(*args, batch.positions, scale)
-        return self._fn(*args, batch.positions, scale, query_starts=batch.query_starts)
+        return self._fn(
+            *args, batch.positions, scale, query_starts=batch.query_starts,
+            max_query_len=batch.max_query_len,
+        )  # fmt: skip
 
 
 ATTENTION = ("auto", "gather", "triton", "reference")

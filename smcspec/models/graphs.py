@@ -16,6 +16,12 @@ Every row holds at least one token, so a bucket of T tokens needs at most T rows
 each row's last num_logits[b] positions are gathered through a static index (padding entries
 point at row 0) into one float32 output that all graphs share: only the last replay's is read.
 
+A bucket has two graphs, as the attention's tile follows the longest row a graph may meet
+(`ForwardBatch.max_query_len`, `paged_attention.plan`), which T rows of padding would otherwise
+hide: "steps" (every row <= STEP_TOKENS: draft steps, AR) keeps the narrow decode tile, and
+"verify" (a row of K + 1 > STEP_TOKENS tokens) the wide one that reads each sequence's keys
+once per kv head, not once per few tokens. `run` picks by the batch's longest row.
+
 Graphs are captured at start-up (`capture_all`, which `native.NativeCausalLM` calls once),
 never inside a live pass: a batch with no captured bucket (more tokens than the largest, a row
 longer than MAX_TOKENS_PER_ROW: a prefill) runs eagerly. The capture itself is a strategy:
@@ -39,6 +45,7 @@ from smcspec.models.llama import LlamaModel
 # step is the weights' read whatever its size).
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512)
 MAX_TOKENS_PER_ROW = 16  # a verify of K + 1 <= 16 (attention.PAGED_MAX_TOKENS); more: a prefill
+STEP_TOKENS = 2  # a draft step's most tokens a row (the first of a round may feed two)
 
 Replay = Callable[[], torch.Tensor]
 Capture = Callable[[Callable[[], torch.Tensor]], Replay]
@@ -130,8 +137,8 @@ class _Plan:
 
 class GraphRunner:
     """Runs decode-like ragged batches (every row 1 .. MAX_TOKENS_PER_ROW tokens) of `model`
-    over `kv` through graphs captured per token bucket. `captures` and `replays` count graphs
-    captured and passes served by one."""
+    over `kv` through graphs captured per token bucket and longest row (`row_limit`).
+    `captures` and `replays` count graphs captured and passes served by one."""
 
     def __init__(
         self,
@@ -147,7 +154,7 @@ class GraphRunner:
         self.model, self.kv, self.capture, self.buckets = model, kv, capture, tuple(buckets)
         self.width = -(-context_length // kv.page_size)  # page-table columns
         model.rope.pin(self.width * kv.page_size)  # the table must not move after a capture
-        self._replays: dict[int, Replay] = {}
+        self._replays: dict[tuple[int, int], Replay] = {}  # (bucket, row limit) -> graph
         self.captures = 0
         self.replays = 0
         dev, tmax = model.device, self.buckets[-1]
@@ -162,17 +169,25 @@ class GraphRunner:
     def bucket(self, tokens: int) -> int | None:
         return next((b for b in self.buckets if b >= tokens), None)
 
+    @staticmethod
+    def row_limit(longest: int) -> int:
+        """The longest row of the graph that serves a batch whose longest row is `longest`."""
+        return STEP_TOKENS if longest <= STEP_TOKENS else MAX_TOKENS_PER_ROW
+
     @torch.inference_mode()
     def capture_all(self) -> None:
-        """Capture a graph per bucket, largest first (smaller ones then reuse its pool's
-        memory), over all-padding buffers. Once, at start-up: a capture costs a synchronize and
-        tens of milliseconds, which a live pass must never wait for."""
+        """Capture a steps and a verify graph per bucket (no verify graph under
+        STEP_TOKENS + 1 tokens: no verify fits), largest first (smaller ones then reuse its
+        pool's memory), over all-padding buffers. Once, at start-up: a capture costs a
+        synchronize and tens of milliseconds, which a live pass must never wait for."""
         for tokens in reversed(self.buckets):
-            if tokens not in self._replays:
-                self._replays[tokens] = self.capture(self._step(tokens))
-                self.captures += 1
+            limits = (MAX_TOKENS_PER_ROW, STEP_TOKENS) if tokens > STEP_TOKENS else (STEP_TOKENS,)
+            for limit in limits:
+                if (tokens, limit) not in self._replays:
+                    self._replays[tokens, limit] = self.capture(self._step(tokens, limit))
+                    self.captures += 1
 
-    def _step(self, tokens: int) -> Callable[[], torch.Tensor]:
+    def _step(self, tokens: int, limit: int) -> Callable[[], torch.Tensor]:
         s, model, kv = self._static, self.model, self.kv
         batch = ForwardBatch(
             slots=s.slots[:tokens],
@@ -180,6 +195,7 @@ class GraphRunner:
             seq_index=s.seq_index[:tokens],
             query_starts=s.query_starts[: tokens + 1],
             block_tables=s.block_tables[:tokens],
+            max_query_len=min(limit, tokens),  # no row holds more than the bucket
         )
         out = self._out[:tokens]
 
@@ -197,11 +213,11 @@ class GraphRunner:
         """Float32 logits of the last min(num_logits[b], len(tokens[b])) of tokens[b] ([n, V]
         each), or None when no captured graph fits this batch (the caller runs it eagerly)."""
         counts = [x.numel() for x in tokens]
-        bucket = self.bucket(sum(counts))
-        if bucket not in self._replays or not self._fits(seqs, counts):
+        key = (self.bucket(sum(counts)), self.row_limit(max(counts)))
+        if key not in self._replays or not self._fits(seqs, counts):
             return None
-        plan = self._load(seqs, tokens, counts, num_logits, bucket)
-        logits = self._replays[bucket]()  # [T, V]
+        plan = self._load(seqs, tokens, counts, num_logits, key[0])
+        logits = self._replays[key]()  # [T, V]
         self.replays += 1
         # a copy: the next replay writes the same output
         return list(logits[: sum(plan.wants)].clone().split(plan.wants))

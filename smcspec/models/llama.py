@@ -334,6 +334,7 @@ class LlamaModel:
             batch.seq_index = _to(rows.repeat_interleave(torch.tensor(counts)), dev)
             starts_flat = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32)
             batch.query_starts = _to(starts_flat, dev)  # [B + 1]
+            batch.max_query_len = max(counts)
         else:
             p = GatherAttention.plan(kv, seqs, starts, counts)
             batch.gather = GatherPlan(

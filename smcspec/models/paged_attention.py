@@ -99,11 +99,13 @@ def triton_attention(
     out: torch.Tensor | None = None,
     query_starts: torch.Tensor | None = None,
     splits: int | None = None,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
     """Same contract as `reference`, written into `out` [T, nh, d] (a new tensor if None; a
     fixed one under CUDA-graph capture). `query_starts` [B + 1] (B = block_tables rows); None:
     derived on the device from seq_index, which must then be sorted. `splits` forces S (tests);
-    None: `plan` picks it from the shapes."""
+    None: `plan` picks it from the shapes. `max_query_len`: a bound on any sequence's token
+    count, known on the host, which picks the tile (`plan`); None: the average."""
     out = torch.empty_like(q) if out is None else out
     _check(q, k_cache, v_cache, block_tables, out, splits)
     num_tokens, num_heads, head_dim = q.shape
@@ -120,7 +122,7 @@ def triton_attention(
     launch = plan(
         num_tokens, num_seqs, num_heads, num_kv_heads, head_dim,
         block_tables.shape[1] * page_size, splits=splits, sm_count=_sm_count(q.device),
-        dtype=q.dtype,
+        dtype=q.dtype, max_query_len=max_query_len,
     )  # fmt: skip
     part_acc = part_m = part_z = out  # unused (never dereferenced) when S = 1
     if launch.splits > 1:
@@ -171,22 +173,28 @@ def plan(
     splits: int | None = None,
     sm_count: int = DEFAULT_SMS,
     dtype: torch.dtype = torch.bfloat16,
+    max_query_len: int | None = None,
 ) -> Launch:
     """The launch for a batch of these shapes (never its contents: CUDA graphs replay it).
 
     A decode step (one token a sequence) gets 16 rows, enough for a GROUP <= 16; a verify
     (K + 1 tokens) or a prefill chunk gets 64, so a 7-head group's 9-token verify is a single
     q-block and each K/V tile is read once per (sequence, kv head) instead of once per token
-    and head. float32 (the correctness runs) keeps 16 rows: its three-pass ("tf32x3") 64-row
-    dots need more registers than a thread has (ptxas spills for sm_90). S is chosen so
-    programs reach about twice the SMs, at most MAX_SPLITS and at most one split per key tile
-    of the table (`max_keys`).
+    and head. The tokens a sequence brings are `max_query_len` when the caller knows them (a
+    CUDA graph's padded batch has as many rows as tokens, whose average would call its verify
+    a decode step), else the average, cdiv(num_tokens, num_seqs). float32 (the correctness
+    runs) keeps 16 rows: its three-pass ("tf32x3") 64-row dots need more registers than a
+    thread has (ptxas spills for sm_90). S is chosen so programs reach about twice the SMs, at
+    most MAX_SPLITS and at most one split per key tile of the table (`max_keys`).
 
     num_stages: the loads of the next key tiles overlap the dots (cp.async on sm_90); two
     stages of 16-row tiles already keep ~100 KB in flight an SM (6 CTAs x 16 KB), and a third
     makes ptxas spill a few bytes; 64-row tiles take three without spilling."""
+    if max_query_len is not None and max_query_len < 1:
+        raise ValueError(f"max_query_len must be >= 1, got {max_query_len}")
     group = num_heads // num_kv_heads
-    rows_per_seq = -(-num_tokens // max(num_seqs, 1)) * group
+    per_seq = -(-num_tokens // max(num_seqs, 1)) if max_query_len is None else max_query_len
+    rows_per_seq = per_seq * group
     wide = rows_per_seq > 16 and dtype != torch.float32
     block_m = max(64 if wide else 16, _pow2(group))
     block_q = block_m // group

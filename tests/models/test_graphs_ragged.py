@@ -122,10 +122,13 @@ def test_concurrent_smc_and_sd_requests_replay_graphs_with_the_eager_tokens(devi
 def test_no_capture_happens_after_start_up(device):
     spy = CountingCapture(device)
     llm = pair(device, capture=spy)
-    assert spy.calls == 2 * len(BUCKETS)  # every bucket of both models, when they were built
+    # every bucket's steps graph and, from 3 tokens, its verify graph, of both models, when
+    # they were built
+    graphs_per_model = len(BUCKETS) + sum(b > graphs.STEP_TOKENS for b in BUCKETS)
+    assert spy.calls == 2 * graphs_per_model == 2 * 12
     out = llm.generate([1, 2, 3], "smc", particles=3, draft_tokens=3, max_new_tokens=6, seed=1)
     assert len(out.token_ids) > 0 and llm.target.graph_replays > 0
-    assert spy.calls == 2 * len(BUCKETS)
+    assert spy.calls == 2 * graphs_per_model
 
 
 def twin_batches(
@@ -253,3 +256,47 @@ def test_int8_models_leave_position_0_to_the_eager_path():
             assert engine.graph_replays == 1
     for a, b in zip(*runs, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+class Planned(Exception):
+    """Raised by the plan spy below with the launch planned: the pass stops there."""
+
+
+def test_a_graphed_verify_gets_the_eager_wide_tile_and_a_draft_step_the_narrow_one(monkeypatch):
+    """The attention tile a pass gets (paged_attention.plan) follows its longest row, which a
+    graph's padding rows must not hide, nor a verify's draft steps beside it in a scheduler's
+    pass: an 8 x 9 verify padded to 96 rows of one token, and one verify of 9 among 7 draft
+    steps of 1, plan the eager verify's wide tile (each sequence's keys read once per kv head);
+    a draft step (rows of 1 or 2 tokens) keeps the narrow one. Only the plan is wanted: the spy
+    stops the pass at the first layer's attention, before any kernel runs. bfloat16: float32
+    is always narrow."""
+    if not paged_attention.triton_available("cpu"):
+        pytest.skip("needs Triton (its interpreter runs the kernel on the CPU)")
+    plan = paged_attention.plan
+
+    def spy(*args, **kwargs) -> paged_attention.Launch:
+        raise Planned(plan(*args, **kwargs))
+
+    monkeypatch.setattr(paged_attention, "plan", spy)
+    lm = LlamaModel(CONFIG, random_weights(CONFIG, "cpu", seed=3), "bfloat16", "cpu", "triton")
+    engine = NativeCausalLM(lm, {0}, 64, 4, capture=eager_capture)  # graphs.TOKEN_BUCKETS
+    kv, seqs = engine.kv, [engine.kv.new_sequence() for _ in range(8)]
+
+    def planned(forward, feeds: list[torch.Tensor]) -> paged_attention.Launch:
+        for s in seqs:  # a prefix of 5 keys (what they hold does not matter to the plan)
+            kv.truncate(s, 0)
+            kv.reserve(s, 5)
+        with pytest.raises(Planned) as stopped:
+            forward(seqs, feeds, [1] * len(feeds))
+        return stopped.value.args[0]
+
+    verify = [torch.arange(1, 10)] * 8
+    mixed = verify[:1] + [torch.tensor([5])] * 7
+    step = [torch.tensor([5, 6])] + [torch.tensor([5])] * 7
+    feeds = (verify, mixed, step)  # graphs' buckets 96, 16, 16
+    eager = [planned(lambda *a: lm.forward_ragged(kv, *a), f) for f in feeds]
+    graphed = [planned(engine.graphs.run, f) for f in feeds]
+    assert graphed[0].grid[0] == 96 // 32 + 96  # the bucket of 96 rows, its q-blocks of 32
+    tiles = [[(x.block_q, x.block_m) for x in launches] for launches in (graphed, eager)]
+    wide, narrow = (32, 64), (8, 16)  # GROUP 2: 9 tokens x 2 heads > 16 rows, 2 x 2 <= 16
+    assert tiles[0] == tiles[1] == [wide, wide, narrow], tiles

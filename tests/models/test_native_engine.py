@@ -92,9 +92,11 @@ def test_graphs_give_the_eager_logits_with_padding_to_buckets():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     runner = graphed.graphs
     assert eager.graphs is None and runner is not None
-    # every bucket captured when the model was built; 3 rows of 1 token run in the bucket of 4
-    # (one padding row), of 4 tokens in the bucket of 16; only the 20-token prefill is eager
-    assert runner.captures == len(graphs.TOKEN_BUCKETS)
+    # every bucket captured when the model was built (a steps graph each, a verify graph from 3
+    # tokens); 3 rows of 1 token run in the bucket of 4 (one padding row), of 4 tokens in the
+    # bucket of 16; only the 20-token prefill is eager
+    verify_buckets = [b for b in graphs.TOKEN_BUCKETS if b > graphs.STEP_TOKENS]
+    assert runner.captures == len(graphs.TOKEN_BUCKETS) + len(verify_buckets)
     assert runner.replays == len(got) - 1
 
 
@@ -120,7 +122,8 @@ def test_the_runner_leaves_prefills_too_many_tokens_and_too_long_sequences_to_th
     lm.kv.truncate(seqs[0], 0)
     lm.kv.reserve(seqs[0], 15)  # 15 + 2 positions > the 16 of the graphs' page tables
     assert runner.run(seqs[:1], [torch.tensor([5, 6])], [1]) is None
-    assert runner.replays == 1 and runner.captures == 2 and lm.pages.used_pages > 0
+    # buckets 2 and 4 of steps, 4 of verifies
+    assert runner.replays == 1 and runner.captures == 3 and lm.pages.used_pages > 0
     for s in seqs:
         lm.kv.release(s)
     assert lm.pages.used_pages == 0

@@ -221,6 +221,11 @@ def test_plan_for_the_engine_shapes():
     assert plan(72, 8, 28, 4, 128, max_keys=32768, dtype=torch.float32).block_m == 16
     assert plan(1, 1, 28, 4, 128, max_keys=64).splits == 2  # no more splits than key tiles
     assert plan(1, 1, 14, 2, 64, max_keys=32768, splits=3).grid == (1, 2, 3)
+    # a CUDA graph's 8 x 9 verify padded to 96 rows: its average row (one token) would plan a
+    # decode tile; its longest row, known on the host, plans the verify's
+    assert plan(96, 96, 28, 4, 128, max_keys=32768).block_m == 16
+    graphed = plan(96, 96, 28, 4, 128, max_keys=32768, max_query_len=16)
+    assert (graphed.block_q, graphed.block_m) == (9, 64)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -240,6 +245,19 @@ def test_comparison_rejects_wrong_attention(dtype):
         assert_matches(reference(**{**batch, "positions": whole_table}), right, dtype)
 
 
+def test_a_graphs_padded_verify_runs_the_wide_tile(monkeypatch):
+    """A CUDA graph's 2 x 9 verify in its bucket of 32 rows: 14 padding rows of one token, then
+    16 rows of none. max_query_len plans 64-row tiles of 9 tokens (the average row, one token,
+    would plan 16-row ones of 2), which read the padded layout right."""
+    launches = spy_launches(monkeypatch)
+    seqs = ((20, 9), (11, 9)) + ((1, 1),) * 14 + ((0, 0),) * 16
+    batch = make_batch(16, 14, 2, 64, torch.bfloat16, seed=4, seqs=seqs)
+    out = torch.full_like(batch["q"], float("nan"))
+    triton_attention(**batch, out=out, query_starts=query_starts(batch), max_query_len=16)
+    assert_matches(out, reference(**batch), torch.bfloat16)
+    assert launches == [("paged_attention_kernel", (32 // 9 + 32, 2, 1))]
+
+
 def test_bad_shapes_raise():
     batch = make_batch(3, 4, 2, 16, torch.float32, seed=0)
     with pytest.raises(ValueError, match="multiple of kv heads"):
@@ -250,3 +268,5 @@ def test_bad_shapes_raise():
         triton_attention(**batch, splits=0)
     with pytest.raises(ValueError, match="query_starts"):
         triton_attention(**batch, query_starts=query_starts(batch)[:-1])
+    with pytest.raises(ValueError, match="max_query_len"):
+        triton_attention(**batch, max_query_len=0)

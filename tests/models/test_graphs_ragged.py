@@ -296,7 +296,7 @@ def test_a_graphed_verify_gets_the_eager_wide_tile_and_a_draft_step_the_narrow_o
     feeds = (verify, mixed, step)  # graphs' buckets 96, 16, 16
     eager = [planned(lambda *a: lm.forward_ragged(kv, *a), f) for f in feeds]
     graphed = [planned(engine.graphs.run, f) for f in feeds]
-    assert graphed[0].grid[0] == 96 // 32 + 96  # the bucket of 96 rows, its q-blocks of 32
     tiles = [[(x.block_q, x.block_m) for x in launches] for launches in (graphed, eager)]
     wide, narrow = (32, 64), (8, 16)  # GROUP 2: 9 tokens x 2 heads > 16 rows, 2 x 2 <= 16
     assert tiles[0] == tiles[1] == [wide, wide, narrow], tiles
+    assert graphed[0].grid[0] == 96 // 32 + 96  # the bucket of 96 rows, its q-blocks of 32

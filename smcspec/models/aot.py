@@ -98,23 +98,26 @@ MODELS = (QWEN_05B, QWEN_15B, QWEN_7B)
 @dataclass(frozen=True)
 class Kind:
     """A launch kind: `rows` sequences appending `tokens` each, the last at position
-    `context` - 1."""
+    `context` - 1; `max_query_len` (ForwardBatch's) None: `tokens`, as an eager batch's."""
 
     name: str
     rows: int
     tokens: int
     context: int
+    max_query_len: int | None = None
 
 
 DECODE_1 = Kind("decode 1x1", 1, 1, 512)
 DECODE = Kind("decode 8x1", 8, 1, 512)
 # A CUDA graph's flat batch of a 96-token bucket (graphs.py): as many rows as tokens, padding
-# rows included, whatever the steps inside (a verify 8x9 padded, 12 draft steps of 8 rows).
-# Its row and token counts divide by 16, which the JIT specializes on.
-GRAPH_96 = Kind("graph 96x1", 96, 1, 512)
+# rows included. Its row and token counts divide by 16, which the JIT specializes on. The
+# bucket's steps graph (rows of <= 2 tokens: 12 draft steps of 8 rows) plans the decode tile,
+# its verify graph (a verify 8x9 padded) the verify's: the same shapes, other constexprs.
+GRAPH_96 = Kind("graph 96x1", 96, 1, 512, max_query_len=2)
+GRAPH_96_VERIFY = Kind("graph verify 96x1", 96, 1, 512, max_query_len=16)
 VERIFY = Kind("verify 8x9", 8, 9, 512)
 PREFILL = Kind("prefill 1x256", 1, 256, 1024)  # a scheduler chunk over a cached prefix
-KINDS = (DECODE_1, DECODE, GRAPH_96, VERIFY, PREFILL)
+KINDS = (DECODE_1, DECODE, GRAPH_96, GRAPH_96_VERIFY, VERIFY, PREFILL)
 
 GRAPH_WIDTH = 2048  # a graph's static table: 32768 positions of 16-token pages
 EAGER_WIDTH = 33  # an eager table of a ragged width (the JIT specializes on stride % 16)
@@ -343,6 +346,7 @@ def _attention(case: Case) -> None:
         seq_index=torch.arange(kind.rows, dtype=torch.int32).repeat_interleave(kind.tokens),
         query_starts=torch.cat([counts.new_zeros(1), counts.cumsum(0, dtype=torch.int32)]),
         block_tables=torch.zeros(kind.rows, case.width, dtype=torch.int32),
+        max_query_len=kind.tokens if kind.max_query_len is None else kind.max_query_len,
     )
     PagedAttention("triton")(q, kv, 1, batch)
 
@@ -388,6 +392,7 @@ WRAPPERS: dict[str, Callable[[Case], None]] = {
     "silu_mul": _silu_mul,
 }
 PAGED = {"attention"}  # wrappers whose launches depend on the page size and the table width
+ATTENTION_ONLY = {GRAPH_96_VERIFY}  # kinds that differ from another in attention's plan alone
 
 
 def all_cases() -> list[Case]:
@@ -400,6 +405,8 @@ def all_cases() -> list[Case]:
     for wrapper, model, dtype, kind in itertools.product(
         WRAPPERS, MODELS, (torch.bfloat16, torch.float32), KINDS
     ):
+        if kind in ATTENTION_ONLY and wrapper != "attention":
+            continue
         for ps, width in tables if wrapper in PAGED else tables[:1]:
             cases.append(Case(wrapper, model, dtype, kind, ps, width))
     return cases
@@ -411,10 +418,12 @@ def ci_cases() -> list[Case]:
     verify and prefill tiles of 64, one sequence or several, counts divisible by 16 or not),
     a graph's and an eager table, page sizes 16 and 3."""
     bf16, fp32 = torch.bfloat16, torch.float32
-    picks = [(QWEN_05B, bf16, kind, 16, GRAPH_WIDTH) for kind in KINDS if kind != GRAPH_96]
+    graphs = (GRAPH_96, GRAPH_96_VERIFY)
+    picks = [(QWEN_05B, bf16, kind, 16, GRAPH_WIDTH) for kind in KINDS if kind not in graphs]
     picks += [
         (QWEN_7B, bf16, DECODE_1, 16, GRAPH_WIDTH),
         (QWEN_7B, bf16, GRAPH_96, 16, GRAPH_WIDTH),
+        (QWEN_7B, bf16, GRAPH_96_VERIFY, 16, GRAPH_WIDTH),
         (QWEN_7B, bf16, VERIFY, 16, GRAPH_WIDTH),
         (QWEN_7B, bf16, VERIFY, 16, EAGER_WIDTH),
         (QWEN_15B, fp32, DECODE, 16, GRAPH_WIDTH),
@@ -424,5 +433,6 @@ def ci_cases() -> list[Case]:
         Case(wrapper, *pick)
         for wrapper in WRAPPERS
         for pick in picks
-        if wrapper in PAGED or pick[3:] == (16, GRAPH_WIDTH)
+        if (wrapper in PAGED or pick[3:] == (16, GRAPH_WIDTH))
+        and (pick[2] not in ATTENTION_ONLY or wrapper == "attention")
     ]

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from smcspec.models.llama import PREFILL_CHUNK
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -71,14 +73,25 @@ class HFCausalLM:
         if cache.length == 0:  # an empty cache takes the batch size of its first forward
             cache.select(torch.zeros(tokens.shape[0], dtype=torch.long))
         assert tokens.shape[0] == cache.batch_size, "one row of tokens per cache row"
-        out = self.model(
-            input_ids=tokens.to(self.device),
-            use_cache=True,
-            logits_to_keep=num_logits,
-            **{self._cache_kwarg: cache.kv},
-        )
-        cache.advance(tokens.shape[1])
-        return out.logits[:, -num_logits:].float().cpu()
+        n = tokens.shape[1]
+        pieces = []
+        # A long feed in passes of at most PREFILL_CHUNK tokens, as the native engine does: one
+        # pass over a whole prompt would hold its [T, T] attention scores at once.
+        for start in range(0, n, PREFILL_CHUNK):
+            end = min(n, start + PREFILL_CHUNK)
+            keep = max(0, end - max(start, n - num_logits))  # its rows among the last num_logits
+            out = self.model(
+                input_ids=tokens[:, start:end].to(self.device),
+                use_cache=True,
+                logits_to_keep=max(keep, 1),  # 0 would mean every row to transformers
+                **{self._cache_kwarg: cache.kv},
+            )
+            cache.advance(end - start)
+            if keep:
+                pieces.append(out.logits[:, -keep:].float().cpu())
+        if not pieces:  # no token fed
+            return torch.zeros(tokens.shape[0], 0, self.vocab_size)
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
 
 
 def _looks_like_path(spec: str) -> bool:

@@ -142,3 +142,29 @@ def test_native_backend_refuses_what_it_cannot_load(tmp_path):
         LLM(str(tmp_path), str(tmp_path), backend="vllm")
     with pytest.raises(ValueError, match=r"config\.json"):
         LLM(str(tmp_path), str(tmp_path), backend="native")
+
+
+@pytest.mark.parametrize("num_logits", [1, 3, 7])
+def test_a_long_feed_runs_in_chunks_with_one_pass_logits(tiny_folder, monkeypatch, num_logits):
+    """A feed longer than PREFILL_CHUNK goes through transformers in passes of at most that many
+    tokens, and gives the logits of one pass (its last num_logits rows, across chunk borders)
+    and the same cache: the next step's logits agree too."""
+    model, _ = hf.load(str(tiny_folder))
+    g = torch.Generator().manual_seed(1)
+    feed = torch.randint(3, 64, (2, 11), generator=g)
+    step = torch.randint(3, 64, (2, 1), generator=g)
+    # the reference: transformers itself, without a cache, over the feed and over feed + step
+    expected = model.model(input_ids=feed).logits[:, -num_logits:].float()
+    expected_next = model.model(input_ids=torch.cat([feed, step], 1)).logits[:, -1:].float()
+    sizes = []
+    forward = model.model.forward
+    monkeypatch.setattr(hf, "PREFILL_CHUNK", 4)
+    monkeypatch.setattr(
+        model.model, "forward", lambda **kw: sizes.append(kw["input_ids"].shape[1]) or forward(**kw)
+    )
+    chunked = model.new_cache()
+    got = model.forward(feed, chunked, num_logits)
+    assert sizes == [4, 4, 3] and chunked.length == 11
+    assert got.shape == (2, num_logits, model.vocab_size)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.forward(step, chunked, 1), expected_next, rtol=1e-5, atol=1e-5)

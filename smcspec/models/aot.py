@@ -171,8 +171,8 @@ def _grid(kernel: Any, grid: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
     return tuple(int(g) for g in grid)
 
 
-# Constexprs a wrapper sets for Triton's interpreter only, telling it from the tensors' device
-# (the CPU's here): the GPU's values. paged_attention's DOT_FP32 casts tl.dot's operands to
+# Constexprs a wrapper sets for Triton's interpreter only: the GPU's values, whatever the
+# environment the launches are recorded in. paged_attention's DOT_FP32 casts tl.dot's operands to
 # float32, which the interpreter needs and the GPU must not get (no bf16 tensor cores).
 GPU_CONSTEXPRS = {"DOT_FP32": False}
 

@@ -137,7 +137,7 @@ def triton_attention(
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_PAD=_head_pad(head_dim),
         PAGE_SIZE=page_size,
         BLOCK_Q=launch.block_q, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
-        SPLITS=launch.splits, PRECISION=_precision(q.dtype), DOT_FP32=q.device.type != "cuda",
+        SPLITS=launch.splits, PRECISION=_precision(q.dtype), DOT_FP32=_interpreted(),
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
     if launch.splits > 1:
@@ -205,6 +205,13 @@ def plan(
         splits = max(1, min(MAX_SPLITS, tiles, -(-2 * sm_count // (q_blocks * num_kv_heads))))
     stages = 2 if block_m == 16 else 3
     return Launch(block_q, block_m, block_n, splits, 4, stages, (q_blocks, num_kv_heads, splits))
+
+
+def _interpreted() -> bool:
+    """Whether Triton's interpreter runs the kernels (its own switch, read when the kernel module
+    is first imported): its bf16 tl.dot needs the DOT_FP32 upcast, a GPU must not get it (no
+    bf16 tensor cores), whatever device the tensors are on."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _check(

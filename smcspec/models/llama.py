@@ -29,6 +29,7 @@ from smcspec.models.attention import choose as choose_attention
 from smcspec.models.fused import rms_reference as _rms
 from smcspec.models.fused import rotate_reference as _rotate
 from smcspec.models.layers import DenseLinear, Int8Linear, make_linear
+from smcspec.sampling import to_device
 
 Linear = DenseLinear | Int8Linear
 
@@ -310,10 +311,10 @@ class LlamaModel:
         batch = self.plan(kv, seqs, counts)
         # Rows may come from the host (a prompt) and the device (sampled drafts) at once, when
         # the scheduler batches several requests.
-        flat = torch.cat([_to(t, self.device) for t in tokens])  # [total]
+        flat = torch.cat([to_device(t, self.device) for t in tokens])  # [total]
         x = self.hidden(flat, batch, kv)  # [total, H]
         keep = _last_rows(counts, wants)
-        logits = self.logits(x[_to(keep, self.device)]).float()  # [rows kept, V]
+        logits = self.logits(x[to_device(keep, self.device)]).float()  # [rows kept, V]
         return list(logits.split(wants))
 
     def plan(self, kv: PagedKVCache, seqs: list[int], counts: list[int]) -> ForwardBatch:
@@ -326,19 +327,19 @@ class LlamaModel:
         positions = torch.cat([torch.arange(s, e) for s, e in zip(starts, ends, strict=True)])
         dev = self.device
         attention = for_feed(self.attention, self._gather, starts, counts)
-        batch = ForwardBatch(_to(slots, dev), _to(positions, dev), attention=attention)
+        batch = ForwardBatch(to_device(slots, dev), to_device(positions, dev), attention=attention)
         if attention.paged:
             width = max(len(kv.tables[s]) for s in seqs)
-            batch.block_tables = _to(kv.block_tables(seqs, width), dev)
+            batch.block_tables = to_device(kv.block_tables(seqs, width), dev)
             rows = torch.arange(len(seqs), dtype=torch.int32)
-            batch.seq_index = _to(rows.repeat_interleave(torch.tensor(counts)), dev)
+            batch.seq_index = to_device(rows.repeat_interleave(torch.tensor(counts)), dev)
             starts_flat = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32)
-            batch.query_starts = _to(starts_flat, dev)  # [B + 1]
+            batch.query_starts = to_device(starts_flat, dev)  # [B + 1]
             batch.max_query_len = max(counts)
         else:
             p = GatherAttention.plan(kv, seqs, starts, counts)
             batch.gather = GatherPlan(
-                _to(p.key_slots, dev), _opt(p.query_index, dev), _opt(p.query_rows, dev),
+                to_device(p.key_slots, dev), _opt(p.query_index, dev), _opt(p.query_rows, dev),
                 _opt(p.mask, dev), p.tmax,
             )  # fmt: skip
         return batch
@@ -472,8 +473,8 @@ class RopeTable:
         angles = rope.angles(self.config, torch.arange(size))  # [size, D/2]
         angles = torch.cat([angles, angles], dim=-1)
         scale = self.config.attention_factor
-        self.cos = _to((angles.cos() * scale).to(self.dtype), self.device)
-        self.sin = _to((angles.sin() * scale).to(self.dtype), self.device)
+        self.cos = to_device((angles.cos() * scale).to(self.dtype), self.device)
+        self.sin = to_device((angles.sin() * scale).to(self.dtype), self.device)
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [total, D] of positions [total] (on the table's device)."""
@@ -511,14 +512,8 @@ def random_weights(config: LlamaConfig, device: str | torch.device, seed: int = 
     return w
 
 
-def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`: asynchronous (the source is staged before the call returns,
-    so the host may drop it), and free on the CPU."""
-    return t if t.device == device else t.to(device, non_blocking=True)
-
-
 def _opt(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-    return None if t is None else _to(t, device)
+    return None if t is None else to_device(t, device)
 
 
 def _chunks(

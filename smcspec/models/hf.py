@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from smcspec.models.llama import PREFILL_CHUNK
+from smcspec.models.llama import PREFILL_CHUNK, prefill_chunks
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -73,13 +73,13 @@ class HFCausalLM:
         if cache.length == 0:  # an empty cache takes the batch size of its first forward
             cache.select(torch.zeros(tokens.shape[0], dtype=torch.long))
         assert tokens.shape[0] == cache.batch_size, "one row of tokens per cache row"
-        n = tokens.shape[1]
         pieces = []
         # A long feed in passes of at most PREFILL_CHUNK tokens, as the native engine does: one
-        # pass over a whole prompt would hold its [T, T] attention scores at once.
-        for start in range(0, n, PREFILL_CHUNK):
-            end = min(n, start + PREFILL_CHUNK)
-            keep = max(0, end - max(start, n - num_logits))  # its rows among the last num_logits
+        # pass over a whole prompt would hold its [T, T] attention scores at once. `keep`: the
+        # pass's rows among the feed's last num_logits.
+        for [(_, start, end, keep)] in prefill_chunks(
+            [tokens.shape[1]], [num_logits], PREFILL_CHUNK
+        ):
             out = self.model(
                 input_ids=tokens[:, start:end].to(self.device),
                 use_cache=True,

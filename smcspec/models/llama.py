@@ -278,7 +278,7 @@ class LlamaModel:
         """As `forward`, with a logits count per sequence: the float32 logits of the last
         min(len(tokens[b]), num_logits[b]) new positions of sequence b, list of [n_b, V]. One
         pass over the weights serves every sequence (continuous batching mixes requests); a
-        feed longer than `PREFILL_CHUNK` takes several (`_chunks`)."""
+        feed longer than `PREFILL_CHUNK` takes several (`prefill_chunks`)."""
         tokens = list(tokens)
         sinks: dict[int, torch.Tensor] = {}
         if self.dtype == "int8":
@@ -288,7 +288,7 @@ class LlamaModel:
                     tokens[b] = tokens[b][1:]
         counts = [int(t.numel()) for t in tokens]
         pieces: list[list[torch.Tensor]] = [[] for _ in seqs]
-        for chunk in _chunks(counts, num_logits, PREFILL_CHUNK):
+        for chunk in prefill_chunks(counts, num_logits, PREFILL_CHUNK):
             feeds = [tokens[b][start:end] for b, start, end, _ in chunk]
             wants = [want for *_, want in chunk]
             logits = self._pass(kv, [seqs[b] for b, *_ in chunk], feeds, wants)
@@ -516,7 +516,7 @@ def _opt(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
     return None if t is None else to_device(t, device)
 
 
-def _chunks(
+def prefill_chunks(
     counts: list[int], num_logits: list[int], size: int
 ) -> list[list[tuple[int, int, int, int]]]:
     """The passes of a feed of counts[b] tokens per sequence, at most `size` per sequence each:

@@ -22,7 +22,6 @@ from smcspec.cli_common import (
 )
 from smcspec.config import (
     MAX_PARTICLES,
-    METHODS,
     RESAMPLING_SCHEMES,
     SAMPLING_FIELDS,
     SD_DRAFT_TOKENS,
@@ -32,6 +31,7 @@ from smcspec.config import (
     SamplingConfig,
     SMCConfig,
 )
+from smcspec.engine import configs_from_fields, method_fields, method_names, method_row
 
 METHOD_HELP = "decoding method (default: sd, or smc when a potential is given)"
 K_HELP = f"draft tokens K per round (default: {SD_DRAFT_TOKENS} for sd, {SMC_DRAFT_TOKENS} for smc)"
@@ -65,7 +65,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     gen.add_argument(
         "prompt", help="the prompt (a user message unless --no-chat); - reads standard input"
     )
-    gen.add_argument("--method", choices=METHODS, default=None, help=METHOD_HELP)
+    gen.add_argument("--method", choices=method_names(), default=None, help=METHOD_HELP)
     _add_particles(gen, f"SMC particles N; more than {MAX_PARTICLES} need --allow-large")
     gen.add_argument(
         "--allow-large", action="store_true", help=f"allow more than {MAX_PARTICLES} particles"
@@ -237,7 +237,7 @@ def _add_serve(sub) -> None:
     )
     serve.add_argument(
         "--method",
-        choices=METHODS,
+        choices=method_names(),
         default=None,
         help="for requests that name none (default: sd, or smc when a request has a potential)",
     )
@@ -338,7 +338,6 @@ def _add_serve_limits(serve: argparse.ArgumentParser) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from smcspec.config import decoding_config, resolve_method
     from smcspec.engine.text import check_stops
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
@@ -348,9 +347,7 @@ def _generate(args: argparse.Namespace) -> int:
         raise ValueError("--system goes into the chat template, which --no-chat turns off")
     # Every setting is checked, and typed, before a minute of model loading.
     potentials = _potential_args(args)
-    method = resolve_method(args.method, has_potential=bool(potentials))
-    decoding = decoding_config(method, **_method_settings(args))
-    sampling = SamplingConfig(**_sampling_settings(args))
+    decoding, sampling = configs_from_fields(_settings(args), has_potential=bool(potentials))
     check_stops(args.stop)
     llm = llm_from_args(args)
     if args.system is not None:
@@ -473,17 +470,13 @@ def _api_key(args: argparse.Namespace) -> str | None:
     return os.environ.get("SMCSPEC_API_KEY") or None
 
 
-def _sampling_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """Every `SamplingConfig` field from the flag of the same name (--ignore-eos for
-    stop_at_eos), so that a new field needs only its flag."""
-    names = [name for name in SAMPLING_FIELDS if name != "stop_at_eos"]
-    return {"stop_at_eos": not args.ignore_eos} | {name: getattr(args, name) for name in names}
-
-
-def _method_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """sd's and smc's settings (`config.decoding_config` checks them all)."""
-    names = ("particles", "draft_tokens", "resample_threshold", "resampling", "allow_large")
-    return {name: getattr(args, name) for name in names}
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags `configs_from_fields` reads, each named as its field: every method's settings
+    and every `SamplingConfig` field (--ignore-eos for stop_at_eos), so that a new field needs
+    only its flag."""
+    names = ("method", "allow_large", *method_fields(), *SAMPLING_FIELDS)
+    given = {name: getattr(args, name) for name in names if name != "stop_at_eos"}
+    return given | {"stop_at_eos": not args.ignore_eos}
 
 
 def _potential_args(args: argparse.Namespace) -> dict:
@@ -510,8 +503,10 @@ def _potential_args(args: argparse.Namespace) -> dict:
     if args.reward is not None:
         out["reward"] = load_function(args.reward)
         Reward(out["reward"], args.reward_beta, args.reward_every)  # checks beta and every
-    if args.method == "sd" and out:
-        raise ValueError("sd cannot take potentials (it samples p exactly); use --method smc")
+    if args.method is not None and out and not method_row(args.method).potentials:
+        raise ValueError(
+            f"{args.method} cannot take potentials (it samples p exactly); use --method smc"
+        )
     return out
 
 

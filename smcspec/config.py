@@ -5,10 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Literal
 
-Method = Literal["ar", "sd", "smc"]
-METHODS: tuple[str, ...] = ("ar", "sd", "smc")
 RESAMPLING_SCHEMES: tuple[str, ...] = ("systematic", "multinomial", "stratified", "residual")
 
 # The defaults are the fastest settings measured on the default pair (README, "Speed on this
@@ -23,9 +20,18 @@ MAX_PARTICLES = 64
 SERVER_TEMPERATURE = 1.0
 
 
-def _require(ok: bool, message: str) -> None:
+class SettingError(ValueError):
+    """A bad setting; `field` names it as the settings classes spell it (None: several), so
+    that a front end can point at its own spelling of it (an HTTP 400's `param`)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def _require(ok: bool, message: str, field: str | None = None) -> None:
     if not ok:
-        raise ValueError(message)
+        raise SettingError(message, field)
 
 
 def _is_int(value: object) -> bool:
@@ -77,6 +83,7 @@ class SamplingConfig:
             and math.isfinite(self.temperature)
             and self.temperature >= 0,
             f"temperature must be a finite number >= 0, got {self.temperature!r}",
+            "temperature",
         )
         if self.draft_temperature is not None:
             _require(
@@ -84,39 +91,47 @@ class SamplingConfig:
                 and math.isfinite(self.draft_temperature)
                 and self.draft_temperature >= 0,
                 f"draft_temperature must be a finite number >= 0, got {self.draft_temperature!r}",
+                "draft_temperature",
             )
         _require(
             _is_int(self.top_k) and self.top_k >= 0,
             f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}",
+            "top_k",
         )
         _require(
             isinstance(self.top_p, int | float) and 0 < self.top_p <= 1,
             f"top_p must be in (0, 1], got {self.top_p!r}",
+            "top_p",
         )
         _require(
             _is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
             f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}",
+            "max_new_tokens",
         )
         _require(
             self.seed is None or (_is_int(self.seed) and self.seed >= 0),
             f"seed must be a non-negative integer, got {self.seed!r}",
+            "seed",
         )
 
     def _check_adjustments(self) -> None:
         _require(
             _is_number(self.min_p) and 0 <= self.min_p <= 1,
             f"min_p must be in [0, 1], got {self.min_p!r}",
+            "min_p",
         )
         _require(
             _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
             f"repetition_penalty must be a number > 0 (1 disables it), "
             f"got {self.repetition_penalty!r}",
+            "repetition_penalty",
         )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _require(
                 _is_number(value) and -2 <= value <= 2,
                 f"{name} must be in [-2, 2], got {value!r}",
+                name,
             )
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         for name in ("logprobs", "prompt_logprobs"):
@@ -125,6 +140,7 @@ class SamplingConfig:
                 value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS),
                 f"{name} must be an integer in [0, {MAX_LOGPROBS}] (the top alternatives "
                 f"reported beside each token's own), got {value!r}",
+                name,
             )
 
     @property
@@ -156,14 +172,21 @@ def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
             # ASCII digits only: str.isdigit also takes "²", which int() refuses
             numeric = isinstance(key, str) and key.isascii() and key.strip().isdigit()
             token = int(key) if numeric else key
-            _require(_is_int(token) and token >= 0, f"logit_bias: {key!r} is not a token id")
+            _require(
+                _is_int(token) and token >= 0,
+                f"logit_bias: {key!r} is not a token id",
+                "logit_bias",
+            )
             _require(
                 _is_number(value) and -100 <= value <= 100,
                 f"logit_bias: the bias of token {token} must be in [-100, 100], got {value!r}",
+                "logit_bias",
             )
             pairs[token] = float(value)
     except TypeError as err:
-        raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}") from err
+        raise SettingError(
+            f"logit_bias must map token ids to numbers, got {bias!r}", "logit_bias"
+        ) from err
     return tuple(sorted(pairs.items()))
 
 
@@ -182,6 +205,7 @@ class SDConfig:
         _require(
             _is_int(self.draft_tokens) and self.draft_tokens >= 1,
             f"draft_tokens (K) must be an integer >= 1, got {self.draft_tokens!r}",
+            "draft_tokens",
         )
 
 
@@ -198,18 +222,22 @@ class SMCConfig:
         _require(
             _is_int(self.particles) and self.particles >= 1,
             f"particles (N) must be an integer >= 1, got {self.particles!r}",
+            "particles",
         )
         _require(
             _is_int(self.draft_tokens) and self.draft_tokens >= 1,
             f"draft_tokens (K) must be an integer >= 1, got {self.draft_tokens!r}",
+            "draft_tokens",
         )
         _require(
             isinstance(self.resample_threshold, int | float) and 0 <= self.resample_threshold <= 1,
             f"resample_threshold must be in [0, 1], got {self.resample_threshold!r}",
+            "resample_threshold",
         )
         _require(
             self.resampling in RESAMPLING_SCHEMES,
             f"resampling must be one of {', '.join(RESAMPLING_SCHEMES)}, got {self.resampling!r}",
+            "resampling",
         )
 
 
@@ -220,69 +248,3 @@ class ARConfig:
 
 
 DecodingConfig = ARConfig | SDConfig | SMCConfig
-
-
-def method_of(decoding: DecodingConfig) -> str:
-    """The method name ("ar", "sd", "smc") of a decoding config."""
-    names = {ARConfig: "ar", SDConfig: "sd", SMCConfig: "smc"}
-    if type(decoding) not in names:
-        raise ValueError(
-            f"decoding must be an ARConfig, SDConfig or SMCConfig, got {type(decoding).__name__}"
-        )
-    return names[type(decoding)]
-
-
-def check_method(method: str) -> str:
-    _require(method in METHODS, f"method must be one of {', '.join(METHODS)}, got {method!r}")
-    return method
-
-
-def resolve_method(method: str | None, has_potential: bool = False) -> str:
-    """None means auto: sd, the fastest measured, or smc when a potential is given (sd samples p
-    exactly by rejection and cannot take one)."""
-    if method is None:
-        return "smc" if has_potential else "sd"
-    return check_method(method)
-
-
-def method_configs(
-    particles: int | None = None,
-    draft_tokens: int | None = None,
-    resample_threshold: float = SMCConfig.resample_threshold,
-    resampling: str = SMCConfig.resampling,
-    allow_large: bool = False,
-) -> tuple[SDConfig, SMCConfig]:
-    """sd's and smc's settings; a None takes each method's own default, so one unset K is
-    SD_DRAFT_TOKENS for sd and SMC_DRAFT_TOKENS for smc."""
-    sd = SDConfig() if draft_tokens is None else SDConfig(draft_tokens)
-    given = {"particles": particles, "draft_tokens": draft_tokens}
-    smc = SMCConfig(
-        resample_threshold=resample_threshold,
-        resampling=resampling,
-        **{k: v for k, v in given.items() if v is not None},
-    )
-    _require(
-        allow_large or smc.particles <= MAX_PARTICLES,
-        f"particles (N) must be <= {MAX_PARTICLES} unless allow_large is set "
-        f"(generate --allow-large), got {smc.particles}",
-    )
-    return sd, smc
-
-
-def decoding_config(
-    method: str,
-    particles: int | None = None,
-    draft_tokens: int | None = None,
-    resample_threshold: float = SMCConfig.resample_threshold,
-    resampling: str = SMCConfig.resampling,
-    allow_large: bool = False,
-) -> DecodingConfig:
-    """The config of `method` from loose settings (every one checked, whichever method runs)."""
-    sd, smc = method_configs(particles, draft_tokens, resample_threshold, resampling, allow_large)
-    return {"ar": ARConfig(), "sd": sd, "smc": smc}[check_method(method)]
-
-
-def lookahead(decoding: DecodingConfig) -> int:
-    """Draft tokens a round can write past the last committed token: the method's K, none for
-    ar."""
-    return 0 if isinstance(decoding, ARConfig) else decoding.draft_tokens

@@ -255,22 +255,20 @@ def test_stop_strings_reach_generate(monkeypatch, capsys, tiny_llm):
 def test_every_default_is_read_from_the_configs():
     """Each default is written once, in its dataclass: the CLI, `generate`'s keywords, the
     server and the bench read it there (the server starts from OpenAI's temperature)."""
-    import inspect
-
     from smcspec.config import SERVER_TEMPERATURE, SamplingConfig, SMCConfig
-    from smcspec.engine.request import settings_from_keywords
+    from smcspec.engine import configs_from_fields
     from smcspec.server.runtime import ServeDefaults
 
     parser = cli.build_parser()
     gen, serve = parser.parse_args(["generate", "x"]), parser.parse_args(["serve"])
-    plan = inspect.signature(settings_from_keywords).parameters
+    converted = configs_from_fields({"method": "smc"})[0]
     sampling, smc = SamplingConfig(), SMCConfig()
     for name in ("temperature", "top_k", "top_p", "max_new_tokens"):
         assert getattr(gen, name) == getattr(sampling, name), name
-    assert settings_from_keywords(None, None)[1] == sampling
+    assert configs_from_fields({})[1] == sampling
     for name in ("resample_threshold", "resampling"):
         want = getattr(smc, name)
-        assert getattr(gen, name) == getattr(serve, name) == plan[name].default == want, name
+        assert getattr(gen, name) == getattr(serve, name) == getattr(converted, name) == want, name
         assert getattr(ServeDefaults, name) == want, name
     assert serve.temperature == ServeDefaults.temperature == SERVER_TEMPERATURE
     assert serve.max_tokens == ServeDefaults.max_tokens == sampling.max_new_tokens
@@ -304,20 +302,20 @@ def test_every_sampling_field_reaches_every_front_end():
     server arrives in the config. (max_new_tokens is the server's max_tokens, stop_at_eos the
     CLI's --ignore-eos, seed per choice: covered by their own tests.)"""
     from smcspec.config import SAMPLING_FIELDS, SamplingConfig
-    from smcspec.engine.request import settings_from_keywords
+    from smcspec.engine import configs_from_fields
     from smcspec.server.runtime import _sampling
     from smcspec.server.schema import CompletionRequest
 
     assert set(SAMPLING_FIELDS) == set(GIVEN) | {"max_new_tokens", "stop_at_eos", "seed"}
     for name, (value, text, held) in GIVEN.items():
-        assert getattr(settings_from_keywords(None, None, **{name: value})[1], name) == held
+        assert getattr(configs_from_fields({name: value})[1], name) == held
         flag = "--" + name.replace("_", "-")
         args = cli.build_parser().parse_args(["generate", "x", flag, text])
-        assert getattr(SamplingConfig(**cli._sampling_settings(args)), name) == held, flag
+        assert getattr(configs_from_fields(cli._settings(args))[1], name) == held, flag
         body = CompletionRequest(model="m", prompt="x", **{name: value})
         assert getattr(SamplingConfig(**_sampling(body, temperature=1.0)), name) == held, name
     with pytest.raises(TypeError, match="'top_q'"):
-        settings_from_keywords(None, None, top_q=0.5)
+        configs_from_fields({"top_q": 0.5})
 
 
 def test_the_summary_line_reads_each_methods_typed_stats(tiny_llm):

@@ -121,6 +121,79 @@ def reaching_in(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
     )
 
 
+# A method's facts (its name, settings class, decoder, KV rows, lookahead, whether it takes
+# potentials) are written once, in its row of the method table; elsewhere code reads the row.
+# The benchmarks are exempt: a benchmark is an experiment on named methods (which settings each
+# sweeps, how a report groups them).
+METHOD_TABLE = "smcspec.decoding.methods"
+METHOD_EXPERIMENTS = {"bench"}
+
+
+def method_facts(source: str, methods: set[str], configs: set[str]) -> list[tuple[int, str]]:
+    """(line, what) for each per-method fact written in `source`: a comparison with a method's
+    name, a config's type tested (isinstance / type(...) is), a Literal or a dict keyed by
+    method names."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            names = {
+                c.value
+                for side in (node.left, *node.comparators)
+                for c in ast.walk(side)
+                if isinstance(c, ast.Constant)
+            }
+            types = {getattr(side, "id", None) for side in node.comparators}
+            if names & methods or (
+                types & configs
+                and any(isinstance(op, ast.Is | ast.IsNot | ast.Eq) for op in node.ops)
+            ):
+                found.append((node.lineno, "compares with a method"))
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance":
+            if {getattr(n, "id", None) for n in ast.walk(node.args[1])} & configs:
+                found.append((node.lineno, "tests a config's type"))
+        elif isinstance(node, ast.Subscript) and getattr(node.value, "id", None) == "Literal":
+            if {c.value for c in ast.walk(node.slice) if isinstance(c, ast.Constant)} & methods:
+                found.append((node.lineno, "a Literal of method names"))
+        elif isinstance(node, ast.Dict):
+            keys = {k.value for k in node.keys if isinstance(k, ast.Constant)}
+            if len(keys & methods) > 1:
+                found.append((node.lineno, "a dict keyed by method names"))
+    return found
+
+
+def _method_table() -> tuple[set[str], set[str]]:
+    from smcspec.decoding import methods
+
+    return set(methods.TABLE), {row.config.__name__ for row in methods.TABLE.values()}
+
+
+def test_method_facts_live_only_in_the_method_table():
+    names, configs = _method_table()
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    found = [
+        (name, line, what)
+        for name, path in sorted(modules.items())
+        if name != METHOD_TABLE and layer_of(name) not in METHOD_EXPERIMENTS
+        for line, what in method_facts(path.read_text(), names, configs)
+    ]
+    assert found == []
+
+
+def test_the_method_fact_check_rejects_facts_written_elsewhere():
+    """What the table replaced: the CLI's `== "sd"`, the request's isinstance, the schema's
+    Literal, `method_of`'s dict; a read of the row passes."""
+    names, configs = _method_table()
+    for source in (
+        'if args.method == "sd" and potentials: pass',
+        "rows = (1, 0) if isinstance(decoding, ARConfig) else (1, 1)",
+        'method: Literal["ar", "sd", "smc"] | None = None',
+        'names = {"ar": ARConfig, "sd": SDConfig}',
+        "picked = type(decoding) is SMCConfig",
+    ):
+        assert method_facts(source, names, configs), source
+    assert not method_facts("ok = method_row(args.method).potentials", names, configs)
+
+
 def test_every_module_has_a_layer():
     unplaced = {layer_of(m) for m in import_graph()} - set().union(*LAYERS)
     assert not unplaced, f"add to LAYERS: {unplaced}"

@@ -237,9 +237,9 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def _json(args: argparse.Namespace) -> int:
     from smcspec.bench.constrained import run_json
-    from smcspec.config import method_configs
+    from smcspec.engine import configs_from_fields
 
-    method_configs(args.particles, args.draft_tokens)
+    configs_from_fields({"particles": args.particles, "draft_tokens": args.draft_tokens})
     if args.reps < 1 or args.max_new_tokens < 1:
         raise ValueError("--reps and --max-new-tokens must be >= 1")
     llm = _llm(args)

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from smcspec.config import SamplingConfig, SDConfig, SMCConfig, method_configs
+from smcspec.config import SamplingConfig, SDConfig, SMCConfig
+from smcspec.engine import configs_from_fields
 from smcspec.potentials import Power
 
 METHOD_NAMES = ("ar", "sd", "smc", "hf", "hf-assisted", "llama-cpp", "llama-cpp-spec")
@@ -104,8 +105,8 @@ def _smc_grid(smc_n, smc_k, resample_threshold, smc_power) -> list[Contender]:
     out = []
     for n in smc_n:
         for k in smc_k:
-            method_configs(n, k, resample_threshold)  # bounds N as generate does
             base = {"particles": n, "draft_tokens": k, "resample_threshold": resample_threshold}
+            configs_from_fields(base)  # checks and bounds N as generate does
             out.append(Contender("smc", base))
             for alpha in smc_power:
                 Power(alpha)

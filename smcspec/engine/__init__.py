@@ -1,9 +1,18 @@
 """The engine: the user-facing `LLM`, the scheduler that batches concurrent requests, model
 loading (`load_pair` and the spec helpers in `loading`), the typed statistics each method
-returns, and `start_cache` (a model's cache holding a prompt: what benchmarks time forward
-passes over). The command lines, the server and the benchmarks import from here."""
+returns, `start_cache` (a model's cache holding a prompt: what benchmarks time forward
+passes over), and the method table's readers (`decoding.methods`: the methods' names and rows,
+and the one converter from loose settings to typed configs). The command lines, the server and
+the benchmarks import from here."""
 
 from smcspec.decoding.base import ARStats, SDStats, SMCStats, Stats, start_cache
+from smcspec.decoding.methods import (
+    configs_from_fields,
+    lookahead,
+    method_fields,
+    method_names,
+    method_row,
+)
 from smcspec.engine.llm import LLM, GenerationResult
 from smcspec.engine.loading import (
     BACKENDS,
@@ -30,7 +39,12 @@ __all__ = [
     "SMCStats",
     "Stats",
     "check_same_tokenizer",
+    "configs_from_fields",
     "gguf_files",
     "load_pair",
+    "lookahead",
+    "method_fields",
+    "method_names",
+    "method_row",
     "start_cache",
 ]

@@ -16,25 +16,12 @@ from typing import Any
 
 import torch
 
-from smcspec.config import (
-    ARConfig,
-    DecodingConfig,
-    SamplingConfig,
-    SDConfig,
-    SMCConfig,
-    method_of,
-)
-from smcspec.decoding import (
-    AutoregressiveDecoder,
-    Decoder,
-    DecodeResult,
-    SMCDecoder,
-    SpeculativeDecoder,
-)
+from smcspec.config import DecodingConfig, SamplingConfig, SettingError
+from smcspec.decoding import Decoder, DecodeResult, methods
 from smcspec.decoding.base import Stats, Watch
 from smcspec.decoding.logprobs import TokenLogprobs, score_prompt
 from smcspec.engine.loading import load_pair
-from smcspec.engine.request import Request, build_potential, settings_from_keywords
+from smcspec.engine.request import Request, build_potential
 from smcspec.engine.scheduler import Job, Scheduler
 from smcspec.engine.text import TextStream, check_stops
 from smcspec.models.base import CausalLM
@@ -266,17 +253,19 @@ class LLM:
         Bad settings raise ValueError naming the field."""
         stops = check_stops(stop)
         if decoding is None:
-            decoding = SMCConfig() if potential is not None else SDConfig()
-        method = method_of(decoding)
-        if potential is not None and method == "sd":
+            decoding = methods.resolve(None, potential is not None).config()
+        row = methods.row_of(decoding)
+        if potential is not None and not row.potentials:
             raise ValueError(
-                "sd targets p exactly by rejection and cannot take potentials; use smc (or ar)"
+                f"{row.name} targets p exactly and cannot take potentials; use "
+                + " or ".join(r.name for r in methods.TABLE.values() if r.potentials)
             )
         sampling = SamplingConfig() if sampling is None else sampling
         if sampling.logit_bias and sampling.logit_bias[-1][0] >= self.vocab_size:
-            raise ValueError(
+            raise SettingError(
                 f"logit_bias: token {sampling.logit_bias[-1][0]} is outside the vocabulary "
-                f"({self.vocab_size} tokens)"
+                f"({self.vocab_size} tokens)",
+                "logit_bias",
             )
         ids = self.encode(prompt, chat)
         seed = secrets.randbits(63) if sampling.seed is None else sampling.seed
@@ -300,20 +289,24 @@ class LLM:
         **settings: Any,
     ) -> Request:
         """`plan` from `generate`'s keywords: the potentials (`power_alpha`, `regex`,
-        `json_schema`, `grammar`, `reward`, `potential`) and the settings of
-        `request.settings_from_keywords` (particles, draft_tokens, resample_threshold,
-        resampling, temperature, draft_temperature, top_k, top_p, max_new_tokens, stop_at_eos,
-        seed, allow_large). `method` None: sd, or smc when a potential is given;
-        `particles` / `draft_tokens` None: each method's own default (`smcspec.config`: sd K=4;
-        smc N=2, K=8). More than 64 particles need `allow_large=True`."""
+        `json_schema`, `grammar`, `reward`, `potential`) and the settings that
+        `decoding.methods.configs_from_fields` reads: each method's (particles, draft_tokens,
+        resample_threshold, resampling, allow_large) and every `SamplingConfig` field
+        (temperature, draft_temperature, top_k, top_p, max_new_tokens, stop_at_eos, seed, ...).
+        `method` None: sd, or smc when a potential is given; `particles` / `draft_tokens` None:
+        each method's own default (`smcspec.config`: sd K=4; smc N=2, K=8). More than 64
+        particles need `allow_large=True`."""
         check_stops(stop)  # the cheap checks first, before a constraint compiles
         potential = self.build_potential(
             power_alpha, regex, json_schema, grammar, reward, reward_beta, reward_every, potential
         )
         try:
-            decoding, sampling = settings_from_keywords(method, potential, **settings)
-        except TypeError as err:  # an unknown keyword, named as the caller wrote it
-            raise TypeError(str(err).replace("settings_from_keywords()", "generate()")) from None
+            decoding, sampling = methods.configs_from_fields(
+                {"method": method} | settings, potential is not None
+            )
+        except TypeError as err:  # an unknown keyword, named as Python names one
+            name = str(err).removeprefix("unknown setting ")
+            raise TypeError(f"generate() got an unexpected keyword argument {name}") from None
         return self.plan(prompt, decoding, sampling, potential, stop=stop, chat=chat)
 
     def run(
@@ -401,11 +394,5 @@ class LLM:
 def make_decoder(
     decoding: DecodingConfig, target: CausalLM, draft: CausalLM, potential: Potential | None
 ) -> Decoder:
-    """The decoder a config's type names."""
-    if isinstance(decoding, SMCConfig):
-        return SMCDecoder(target, draft, decoding, potential)
-    if isinstance(decoding, SDConfig):
-        return SpeculativeDecoder(target, draft, decoding)
-    if isinstance(decoding, ARConfig):
-        return AutoregressiveDecoder(target, potential)
-    raise ValueError(f"no decoder for {type(decoding).__name__}")
+    """The decoder a config's type names (its row of `decoding.methods`)."""
+    return methods.row_of(decoding).decoder(target, draft, decoding, potential)

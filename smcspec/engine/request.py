@@ -2,8 +2,9 @@
 
 A `Request` carries typed settings: the decoding config (`ARConfig`, `SDConfig` or `SMCConfig`,
 whose type picks the decoder), the sampling config, an optional potential, the resolved seed and
-the stop strings. `LLM.plan` builds one from those configs; `LLM.request` from the keywords
-`generate` takes (`settings_from_keywords`).
+the stop strings. `LLM.plan` is its only constructor; the keywords of `generate`, the CLI's
+flags and an HTTP body become its configs through one converter,
+`decoding.methods.configs_from_fields`.
 """
 
 from __future__ import annotations
@@ -12,17 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from smcspec.config import (
-    SAMPLING_FIELDS,
-    ARConfig,
-    DecodingConfig,
-    SamplingConfig,
-    SMCConfig,
-    decoding_config,
-    lookahead,
-    method_of,
-    resolve_method,
-)
+from smcspec.config import DecodingConfig, SamplingConfig
+from smcspec.decoding import methods
 from smcspec.potentials import Constraint, Potential, Power, Product, Reward
 
 
@@ -54,44 +46,16 @@ class Request:
 
     @property
     def method(self) -> str:
-        return method_of(self.decoding)
+        return methods.method_of(self.decoding)
 
     def kv_rows(self) -> tuple[int, int]:
         """Sequences this request keeps in the target's and the draft's KV cache."""
-        if isinstance(self.decoding, SMCConfig):
-            return self.decoding.particles, self.decoding.particles
-        return (1, 0) if isinstance(self.decoding, ARConfig) else (1, 1)
+        return methods.kv_rows(self.decoding)
 
     def max_length(self) -> int:
         """The longest a sequence can get: prompt, new tokens, and a round of drafts past them."""
-        return len(self.prompt_ids) + self.sampling.max_new_tokens + lookahead(self.decoding)
-
-
-def settings_from_keywords(
-    method: str | None,
-    potential: Potential | None,
-    particles: int | None = None,
-    draft_tokens: int | None = None,
-    resample_threshold: float = SMCConfig.resample_threshold,
-    resampling: str = SMCConfig.resampling,
-    allow_large: bool = False,
-    **sampling: Any,
-) -> tuple[DecodingConfig, SamplingConfig]:
-    """The typed configs of `generate`'s keywords: the method's settings here, and every field
-    of `SamplingConfig` by its name (temperature, draft_temperature, top_k, top_p,
-    max_new_tokens, stop_at_eos, seed; defaults from the dataclass). `method` None: sd, or smc
-    with a potential; `particles` / `draft_tokens` None: each method's own default."""
-    unknown = sorted(set(sampling) - set(SAMPLING_FIELDS))
-    if unknown:
-        raise TypeError(
-            f"settings_from_keywords() got an unexpected keyword argument {unknown[0]!r}"
-        )
-    sampling_cfg = SamplingConfig(**sampling)
-    method = resolve_method(method, potential is not None)
-    decoding = decoding_config(
-        method, particles, draft_tokens, resample_threshold, resampling, allow_large
-    )
-    return decoding, sampling_cfg
+        lookahead = methods.lookahead(self.decoding)
+        return len(self.prompt_ids) + self.sampling.max_new_tokens + lookahead
 
 
 def build_potential(

@@ -8,6 +8,7 @@ count and diagnostics a response carries.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import threading
@@ -24,14 +25,10 @@ from smcspec.config import (
     SAMPLING_FIELDS,
     SERVER_TEMPERATURE,
     SamplingConfig,
+    SettingError,
     SMCConfig,
-    check_method,
-    decoding_config,
-    lookahead,
-    method_configs,
-    resolve_method,
 )
-from smcspec.engine import LLM, GenerationResult, Request
+from smcspec.engine import LLM, GenerationResult, Request, configs_from_fields, lookahead
 from smcspec.engine.scheduler import Cancelled, Job, Scheduler
 from smcspec.engine.text import check_stops
 from smcspec.potentials import Potential
@@ -103,10 +100,10 @@ class ServeDefaults:
     api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if self.method is not None:
-            check_method(self.method)
-        method_configs(self.particles, self.draft_tokens, self.resample_threshold, self.resampling)
-        SamplingConfig(temperature=self.temperature, max_new_tokens=self.max_tokens)
+        configs_from_fields(
+            self.method_settings
+            | {"temperature": self.temperature, "max_new_tokens": self.max_tokens}
+        )
         for name in ("max_running", "max_batch_tokens", "max_body_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -117,6 +114,13 @@ class ServeDefaults:
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         _check_api_key(self.api_key)
+
+    @property
+    def method_settings(self) -> dict[str, Any]:
+        """The decoding settings a request falls back on, named as `configs_from_fields` reads
+        them."""
+        names = ("method", "particles", "draft_tokens", "resample_threshold", "resampling")
+        return {name: getattr(self, name) for name in names}
 
 
 def _check_api_key(key: str | None) -> None:
@@ -202,9 +206,6 @@ class Server:
 
     def plan(self, body: GenerationFields, prompts: list[list[int]], param: str) -> list[Choice]:
         """One checked `Request` per (prompt, sample), with its own seed."""
-        d = self.defaults
-        particles = body.particles or d.particles
-        k = body.draft_tokens or d.draft_tokens
         for i, stop in enumerate(body.stops):
             check_unicode(stop, "stop" if isinstance(body.stop, str) else f"stop.{i}")
         try:
@@ -212,31 +213,29 @@ class Server:
         except ValueError as err:
             raise ApiError(str(err), "stop") from err
         potential = self._potential(body)
-        method = resolve_method(body.method or d.method, potential is not None)
-        drafts = lookahead(decoding_config(method, particles, k))
-        sampling = _sampling(body, d.temperature)
+        fields = self._method_fields(body) | _sampling(body, self.defaults.temperature)
+        try:  # every setting checked once here; per choice only the seed and length change
+            decoding, sampling = configs_from_fields(fields, potential is not None)
+        except SettingError as err:
+            raise ApiError(str(err), err.field) from err
+        drafts = lookahead(decoding)
         choices = []
         for p, ids in enumerate(prompts):
             limit = self._token_limit(body, len(ids), drafts, param)
             for j in range(body.n):
                 seed = None if body.seed is None else body.seed + p * body.n + j
+                own = dataclasses.replace(sampling, max_new_tokens=limit, seed=seed)
                 try:
-                    plan = self.llm.request(
-                        ids,
-                        method,
-                        particles=particles,
-                        draft_tokens=k,
-                        resample_threshold=_given(body.resample_threshold, d.resample_threshold),
-                        resampling=body.resampling or d.resampling,
-                        stop=stops,
-                        chat=False,
-                        potential=potential,
-                        **(sampling | {"max_new_tokens": limit, "seed": seed}),
-                    )
+                    plan = self.llm.plan(ids, decoding, own, potential, stop=stops, chat=False)
                 except ValueError as err:
-                    raise ApiError(str(err)) from err
+                    raise ApiError(str(err), getattr(err, "field", None)) from err
                 choices.append(Choice(len(choices), plan))
         return choices
+
+    def _method_fields(self, body: GenerationFields) -> dict[str, Any]:
+        """The request's decoding settings, the server's defaults where it gives none."""
+        defaults = self.defaults.method_settings
+        return {name: _given(getattr(body, name), value) for name, value in defaults.items()}
 
     def _potential(self, body: GenerationFields) -> Potential | None:
         """The request's potential, built once: every choice shares it (each particle gets its

@@ -11,7 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from smcspec.config import MAX_LOGPROBS, MAX_PARTICLES, RESAMPLING_SCHEMES
+from smcspec.config import MAX_LOGPROBS, RESAMPLING_SCHEMES
+from smcspec.engine import method_names
 
 MAX_STOPS = 4
 MAX_LOGIT_BIAS = 1024  # token ids a request may bias
@@ -19,9 +20,13 @@ MAX_CHOICES = 16
 MAX_TOTAL_CHOICES = 64  # prompts x n
 # Validation holds the GIL (and so the event loop) for ~6 us a message: 4096 take ~25 ms.
 MAX_MESSAGES = 4096
-Resampling = Literal[RESAMPLING_SCHEMES]  # type: ignore[valid-type]
 Texts = Annotated[list[str], Field(fail_fast=True)]
 TokenIds = Annotated[list[int], Field(fail_fast=True)]
+
+
+def _method_names(schema: dict[str, Any]) -> None:
+    """The documented choices of `method`: the method table's rows when the schema is made."""
+    schema["enum"] = [*method_names(), None]
 
 
 class StreamOptions(BaseModel):
@@ -72,12 +77,13 @@ class GenerationFields(BaseModel):
     response_format: ResponseFormat | None = None
     # vLLM's: the prompt tokens' log-probabilities (in the choice's `prompt_logprobs`)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    # smcspec's own settings, named as on the CLI.
-    method: Literal["ar", "sd", "smc"] | None = None
-    particles: int | None = Field(None, ge=1, le=MAX_PARTICLES)
-    draft_tokens: int | None = Field(None, ge=1, le=32)
-    resample_threshold: float | None = Field(None, ge=0, le=1)
-    resampling: Resampling | None = None
+    # smcspec's own settings, named as on the CLI. Their values are checked once, where they
+    # become typed configs (`engine.configs_from_fields`, against the method table), not here.
+    method: str | None = Field(None, json_schema_extra=_method_names)
+    particles: int | None = None
+    draft_tokens: int | None = None
+    resample_threshold: float | None = None
+    resampling: str | None = Field(None, json_schema_extra={"enum": list(RESAMPLING_SCHEMES)})
     power_alpha: float | None = Field(None, gt=0, le=64)
     draft_temperature: float | None = Field(None, ge=0, le=2)
     top_k: int | None = Field(None, ge=0)

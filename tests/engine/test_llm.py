@@ -349,7 +349,7 @@ def test_plan_takes_typed_configs_whose_type_picks_the_decoder(llm):
     assert llm.plan([1], potential=Power(2.0)).method == "smc"
     with pytest.raises(ValueError, match="cannot take potentials"):
         llm.plan([1], SDConfig(), potential=Power(2.0))
-    with pytest.raises(ValueError, match="decoding must be an ARConfig"):
+    with pytest.raises(ValueError, match="decoding must be one of ARConfig, SDConfig, SMCConfig"):
         llm.plan([1], "smc")
     with pytest.raises(TypeError, match=r"generate\(\) got an unexpected keyword"):
         llm.generate([1], particle=3)

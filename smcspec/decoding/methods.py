@@ -1,0 +1,181 @@
+"""The decoding methods, one row each: the only place a method's facts are written.
+
+A row names the method, its settings class (a frozen dataclass of `smcspec.config`; a config's
+type is what picks its method), the decoder that runs it, the KV rows one request keeps in the
+target's and the draft's caches, the draft tokens a round can write past the last committed one
+(the room a request reserves beyond its new tokens), and whether it takes potentials (samples
+p(x) phi(x) / Z, or applies them locally as ar does). The engine, the command line, the server's
+schema and the benchmarks all read these rows, so a new method is one row here plus its decoder.
+
+`configs_from_fields` is the one converter from loose settings (a mapping of field names, as
+`generate`'s keywords, the CLI's flags and an HTTP body spell them) to the typed
+(`DecodingConfig`, `SamplingConfig`) pair a `Request` carries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from smcspec.config import (
+    MAX_PARTICLES,
+    SAMPLING_FIELDS,
+    ARConfig,
+    DecodingConfig,
+    SamplingConfig,
+    SDConfig,
+    SettingError,
+    SMCConfig,
+)
+from smcspec.decoding.autoregressive import AutoregressiveDecoder
+from smcspec.decoding.base import Decoder
+from smcspec.decoding.smc import SMCDecoder
+from smcspec.decoding.speculative import SpeculativeDecoder
+from smcspec.models.base import CausalLM
+from smcspec.potentials import Potential
+
+# (target, draft, settings, potential) -> the decoder of one request
+MakeDecoder = Callable[[CausalLM, CausalLM, Any, Potential | None], Decoder]
+
+
+@dataclass(frozen=True)
+class Method:
+    """One decoding method. `kv_rows(config)`: the sequences a request keeps in the target's and
+    the draft's KV cache; `lookahead(config)`: draft tokens a round writes past the last committed
+    token; `potentials`: whether a potential may be given (sd samples p exactly by rejection and
+    cannot take one)."""
+
+    name: str
+    config: type
+    decoder: MakeDecoder
+    kv_rows: Callable[[Any], tuple[int, int]]
+    lookahead: Callable[[Any], int]
+    potentials: bool
+    summary: str
+
+    @property
+    def settings(self) -> tuple[str, ...]:
+        """The names of the method's own settings (its config's fields)."""
+        return tuple(f.name for f in fields(self.config))
+
+
+TABLE: dict[str, Method] = {
+    row.name: row
+    for row in (
+        Method(
+            "ar",
+            ARConfig,
+            lambda target, draft, config, potential: AutoregressiveDecoder(target, potential),
+            kv_rows=lambda config: (1, 0),
+            lookahead=lambda config: 0,
+            potentials=True,
+            summary="autoregressive: one target step per token, the reference",
+        ),
+        Method(
+            "sd",
+            SDConfig,
+            lambda target, draft, config, potential: SpeculativeDecoder(target, draft, config),
+            kv_rows=lambda config: (1, 1),
+            lookahead=lambda config: config.draft_tokens,
+            potentials=False,
+            summary="speculative decoding: K draft tokens a round, exact by rejection sampling",
+        ),
+        Method(
+            "smc",
+            SMCConfig,
+            lambda target, draft, config, potential: SMCDecoder(target, draft, config, potential),
+            kv_rows=lambda config: (config.particles, config.particles),
+            lookahead=lambda config: config.draft_tokens,
+            potentials=True,
+            summary="SMC speculative decoding: N particles of K draft tokens, weighted, resampled",
+        ),
+    )
+}
+# None as the method: the fastest measured (README, "Speed on this machine"), or the default
+# method that can take the potential a request gives.
+DEFAULT = "sd"
+DEFAULT_WITH_POTENTIAL = "smc"
+# Settings that belong to no method's config but to how the converter reads them.
+CONVERTER_FIELDS = ("method", "allow_large")
+
+
+def method_names() -> tuple[str, ...]:
+    return tuple(TABLE)
+
+
+def method_row(name: str) -> Method:
+    """The row of a method name; a SettingError naming the known ones otherwise."""
+    if name not in TABLE:
+        raise SettingError(f"method must be one of {', '.join(TABLE)}, got {name!r}", "method")
+    return TABLE[name]
+
+
+def row_of(decoding: DecodingConfig) -> Method:
+    """The row whose settings class a config is."""
+    for row in TABLE.values():
+        if type(decoding) is row.config:
+            return row
+    known = ", ".join(row.config.__name__ for row in TABLE.values())
+    raise ValueError(f"decoding must be one of {known}, got {type(decoding).__name__}")
+
+
+def method_of(decoding: DecodingConfig) -> str:
+    return row_of(decoding).name
+
+
+def lookahead(decoding: DecodingConfig) -> int:
+    return row_of(decoding).lookahead(decoding)
+
+
+def kv_rows(decoding: DecodingConfig) -> tuple[int, int]:
+    return row_of(decoding).kv_rows(decoding)
+
+
+def resolve(method: str | None, has_potential: bool = False) -> Method:
+    """The row of `method`; None: sd, or smc when a potential is given."""
+    if method is None:
+        method = DEFAULT_WITH_POTENTIAL if has_potential else DEFAULT
+    return method_row(method)
+
+
+def method_fields() -> tuple[str, ...]:
+    """Every setting a method's config has, each once, in table order."""
+    names = [name for row in TABLE.values() for name in row.settings]
+    return tuple(dict.fromkeys(names))
+
+
+def configs_from_fields(
+    given: Mapping[str, Any], has_potential: bool = False
+) -> tuple[DecodingConfig, SamplingConfig]:
+    """The typed settings of a mapping of fields: `method` (None: `resolve`'s default),
+    `allow_large` (lifts MAX_PARTICLES), any method's settings (particles, draft_tokens,
+    resample_threshold, resampling) and any `SamplingConfig` field. A None value means "not
+    given": the field's own default, so one unset K is each method's own. Every method's
+    settings are checked, whichever runs, so a bad value never waits for the method that reads
+    it. An unknown name is a TypeError; a bad value a `SettingError` naming its field."""
+    known = set(CONVERTER_FIELDS) | set(method_fields()) | set(SAMPLING_FIELDS)
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise TypeError(f"unknown setting {unknown[0]!r}")
+    chosen = resolve(given.get("method"), has_potential)
+    sampling = SamplingConfig(
+        **{k: v for k, v in given.items() if k in SAMPLING_FIELDS and v is not None}
+    )
+    configs = {
+        row.name: row.config(**{k: given[k] for k in row.settings if given.get(k) is not None})
+        for row in TABLE.values()
+    }
+    for config in configs.values():
+        _check_particles(config, bool(given.get("allow_large")))
+    return configs[chosen.name], sampling
+
+
+def _check_particles(config: Any, allow_large: bool) -> None:
+    particles = getattr(config, "particles", 1)
+    if particles > MAX_PARTICLES and not allow_large:
+        raise SettingError(
+            f"particles (N) must be <= {MAX_PARTICLES} unless allow_large is set "
+            f"(generate --allow-large), got {particles}",
+            "particles",
+        )

@@ -5,8 +5,12 @@ A page marks each generated table with a pair of comments, and `render` rewrites
 between them:
 
     <!-- table: cpu/llama-cpp -->
+
     ...generated...
+
     <!-- /table -->
+
+(the blank lines keep Python-Markdown from reading a marker as part of the table).
 
 A table comes from a run's JSON lines where the run kept them (the same summaries `smcspec bench
 report` prints) and from the Markdown `smcspec bench` wrote where it kept only that. Each block
@@ -26,8 +30,11 @@ from smcspec.bench import report
 from smcspec.bench.machine import one_line
 from smcspec.bench.results import header, measurements
 
-MARKER = re.compile(r"<!-- table: (?P<name>[\w./-]+) -->\n(?P<body>.*?)<!-- /table -->\n", re.S)
-OPENING = re.compile(r"<!-- table: ")
+# Markers stand on lines of their own, so prose may quote one in backticks.
+MARKER = re.compile(
+    r"^<!-- table: (?P<name>[\w./-]+) -->\n(?P<body>.*?)^<!-- /table -->\n", re.S | re.M
+)
+OPENING = re.compile(r"^<!-- table: ", re.M)
 
 
 @dataclass(frozen=True)
@@ -95,6 +102,21 @@ def engine_steps(root: Path, run: str) -> str:
     columns = [Column("forward pass (ms)", lambda r: r["name"])]
     columns += [Column(b, lambda r, b=b: _ms(r.get(b))) for b in backends]
     return caption(path, root) + grid(columns, rows)
+
+
+def engine_kv(root: Path, run: str) -> str:
+    """The KV memory one SMC run held in shared pages against one contiguous cache a particle."""
+    path = root / run / "engine.jsonl"
+    kv = next(r for r in measurements(path) if r["key"] == "kv|native")
+    plan = header(path)["plan"]
+    n, mib = plan["resample_particles"], 2**20
+    return caption(path, root) + (
+        f"KV memory of one SMC run on the native engine (N={n}, K=4, {plan['resample_tokens']} "
+        f"new tokens, target + draft): peak {kv['paged_peak_bytes'] / mib:.1f} MiB in shared "
+        f"pages against {kv['naive_bytes'] / mib:.1f} MiB for {n} contiguous caches "
+        f"({100 * kv['saving']:.1f}% less); {kv['resamples']} resamples in {kv['rounds']} rounds "
+        f"took {1e3 * kv['resample_seconds']:.1f} ms in all.\n"
+    )
 
 
 def engine_end_to_end(root: Path, run: str, backends: tuple[str, ...] = ()) -> str:
@@ -233,6 +255,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "cpu/speed": lambda root: engine_end_to_end(root, "cpu/engine-int8", ("native",)),
     "cpu/engine-steps": lambda root: engine_steps(root, "cpu/engine-int8"),
     "cpu/engine-e2e": lambda root: engine_end_to_end(root, "cpu/engine-int8"),
+    "cpu/engine-kv": lambda root: engine_kv(root, "cpu/engine-int8"),
     "cpu/llama-cpp": lambda root: against_llama_cpp(root, "cpu/llama-cpp"),
     "cpu/sweep-int8": lambda root: speed(root, "cpu/sweep-int8"),
     "cpu/draft-temperature": lambda root: speed(root, "cpu/draft-temperature"),
@@ -243,6 +266,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "cpu/json": lambda root: written(root, "cpu/json/json.md"),
     "cpu/fidelity": lambda root: written(root, "cpu/fidelity-int8/fidelity.md"),
     "gpu/estimate": lambda root: written(root, "gpu/estimate.md"),
+    "gpu/estimate-e2e": lambda root: written(root, "gpu/estimate.md", 1),
 }
 
 
@@ -257,7 +281,8 @@ def render(text: str, root: Path) -> str:
     if len(OPENING.findall(text)) != len(MARKER.findall(text)):
         raise ValueError("a '<!-- table: NAME -->' marker has no '<!-- /table -->' after it")
     return MARKER.sub(
-        lambda m: f"<!-- table: {m['name']} -->\n{table(m['name'], root)}<!-- /table -->\n", text
+        lambda m: f"<!-- table: {m['name']} -->\n\n{table(m['name'], root)}\n<!-- /table -->\n",
+        text,
     )
 
 

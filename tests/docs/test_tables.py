@@ -1,0 +1,82 @@
+"""The benchmark tables of README.md and docs/ are what scripts/render_tables makes from the
+committed result files, and the renderer agrees with the Markdown `smcspec bench` wrote."""
+
+from pathlib import Path
+
+import pytest
+
+from smcspec.bench import tables
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "benchmarks"
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def _table_of(block: str) -> str:
+    return block.split("\n\n", 1)[1]  # past the caption
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_page_tables_match_the_committed_runs(page: Path) -> None:
+    assert tables.stale(page.read_text(), BENCH) == [], "run scripts/render_tables"
+
+
+def test_the_headline_tables_are_marked() -> None:
+    readme = (ROOT / "README.md").read_text()
+    names = {m["name"] for m in tables.MARKER.finditer(readme)}
+    assert {"cpu/speed", "cpu/llama-cpp"} <= names
+    used = {m["name"] for page in PAGES for m in tables.MARKER.finditer(page.read_text())}
+    assert used == set(tables.TABLES), "every table is quoted somewhere, and only known ones"
+
+
+def test_a_hand_edited_cell_is_stale() -> None:
+    readme = (ROOT / "README.md").read_text()
+    fresh = tables.render(readme, BENCH)
+    cell = "| sd K=4 | 33.54 |"
+    assert cell in fresh
+    assert tables.stale(fresh.replace(cell, "| sd K=4 | 35.54 |"), BENCH) == ["cpu/speed"]
+    assert tables.render(fresh.replace(cell, "| sd K=4 | 35.54 |"), BENCH) == fresh
+
+
+def test_marker_errors_are_clear() -> None:
+    with pytest.raises(ValueError, match="unknown table 'cpu/nope'"):
+        tables.render("<!-- table: cpu/nope -->\n<!-- /table -->\n", BENCH)
+    with pytest.raises(ValueError, match="no '<!-- /table -->'"):
+        tables.render("<!-- table: cpu/speed -->\nhand-made\n", BENCH)
+    quoted = "Write `<!-- table: cpu/speed -->` on a line of its own.\n"
+    assert tables.render(quoted, BENCH) == quoted
+
+
+BENCH_WROTE = {
+    "engine steps": (
+        lambda: tables.table("cpu/engine-steps", BENCH),
+        "cpu/engine-int8/engine.md",
+        0,
+    ),
+    "engine e2e": (lambda: tables.table("cpu/engine-e2e", BENCH), "cpu/engine-int8/engine.md", 1),
+    "speed": (lambda: tables.speed(BENCH, "cpu/llama-cpp"), "cpu/llama-cpp/speed.md", 0),
+    "accuracy": (
+        lambda: tables.table("cpu/accuracy-power", BENCH),
+        "cpu/accuracy-power/accuracy.md",
+        0,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BENCH_WROTE)
+def test_the_renderer_agrees_with_what_the_bench_wrote(case: str) -> None:
+    """Where a run's Markdown has the columns the renderer shows, the two are the same text
+    (separator rows aside: the bench writes two styles), so the renderer's summaries are the
+    bench's own."""
+    render, written, index = BENCH_WROTE[case]
+
+    def rows(text: str) -> list[str]:
+        return [line for line in text.splitlines() if not line.startswith(("|---", "| ---"))]
+
+    assert rows(_table_of(render())) == rows(tables.markdown_table(BENCH / written, index))
+
+
+def test_engine_kv_sentence_matches_the_bench() -> None:
+    written = (BENCH / "cpu/engine-int8/engine.md").read_text()
+    sentence = _table_of(tables.table("cpu/engine-kv", BENCH)).strip()
+    assert sentence.replace(" against ", " vs ") in written

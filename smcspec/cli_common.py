@@ -1,12 +1,21 @@
-"""What the two command lines share (`smcspec` and `smcspec bench`): the help format, the model
-options, and the LLM they name. Both import this; neither imports the other's internals."""
+"""What the command lines share (`smcspec generate`, `smcspec serve` and `smcspec bench`): the
+help format, the model options, the LLM they name, and the method flags. All import this; none
+imports another's internals."""
 
 from __future__ import annotations
 
 import argparse
 
-from smcspec.config import SMCConfig
+from smcspec.config import (
+    RESAMPLING_SCHEMES,
+    SD_DRAFT_TOKENS,
+    SMC_DRAFT_TOKENS,
+    SMC_PARTICLES,
+    SMCConfig,
+)
 from smcspec.engine import BACKENDS, DTYPES
+
+K_HELP = f"draft tokens K per round (default: {SD_DRAFT_TOKENS} for sd, {SMC_DRAFT_TOKENS} for smc)"
 
 
 class Help(argparse.ArgumentDefaultsHelpFormatter):
@@ -91,4 +100,25 @@ def add_resample_threshold(p: argparse.ArgumentParser) -> None:
         type=float,
         default=SMCConfig.resample_threshold,
         help="resample when ESS < this x N",
+    )
+
+
+def add_particles(p: argparse.ArgumentParser, what: str) -> None:
+    # No -n: it means choices in OpenAI's API and tokens in llama.cpp.
+    p.add_argument(
+        "--particles",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"{what} (default: {SMC_PARTICLES})",
+    )
+
+
+def add_resampling(p: argparse.ArgumentParser) -> None:
+    add_resample_threshold(p)
+    p.add_argument(
+        "--resampling",
+        choices=RESAMPLING_SCHEMES,
+        default=SMCConfig.resampling,
+        help="smc's scheme",
     )

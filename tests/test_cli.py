@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from smcspec import LLM, cli
+from smcspec import LLM, cli, cli_generate
 from smcspec.config import SDConfig, SMCConfig
 
 
@@ -212,7 +212,7 @@ def run_generate(monkeypatch, capsys, llm, args, stdin: str | None = None):
         return real(prompt, decoding, sampling, potential, **kw)
 
     monkeypatch.setattr(llm, "plan", spy)
-    monkeypatch.setattr(cli, "llm_from_args", lambda args, backend=None: llm)
+    monkeypatch.setattr(cli_generate, "llm_from_args", lambda args, backend=None: llm)
     if stdin is not None:
         monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
     assert cli.main(["generate", *args, "--max-new-tokens", "3", "--seed", "0", "--json"]) == 0
@@ -311,7 +311,7 @@ def test_every_sampling_field_reaches_every_front_end():
         assert getattr(configs_from_fields({name: value})[1], name) == held
         flag = "--" + name.replace("_", "-")
         args = cli.build_parser().parse_args(["generate", "x", flag, text])
-        assert getattr(configs_from_fields(cli._settings(args))[1], name) == held, flag
+        assert getattr(configs_from_fields(cli_generate.settings(args))[1], name) == held, flag
         body = CompletionRequest(model="m", prompt="x", **{name: value})
         assert getattr(SamplingConfig(**_sampling(body, temperature=1.0)), name) == held, name
     with pytest.raises(TypeError, match="'top_q'"):

@@ -24,13 +24,23 @@ LAYERS = (
     {"engine"},
     {"smcspec", "cli_common"},
     {"bench", "server"},
-    {"cli", "__main__"},
+    {"cli", "cli_generate", "cli_sampling", "cli_serve", "__main__"},
 )
 # Above the engine only the engine's public API is used (plus the settings and potentials a
 # user passes in): the command lines, the server and the benchmarks never reach into the models,
 # the KV cache or the decoders. `bench gpu` is the exception: it checks the model layer itself
 # (the Triton kernel against its reference, CUDA graphs against eager, native against hf).
-USER_FACING = {"smcspec", "cli_common", "bench", "server", "cli", "__main__"}
+USER_FACING = {
+    "smcspec",
+    "cli_common",
+    "bench",
+    "server",
+    "cli",
+    "cli_generate",
+    "cli_sampling",
+    "cli_serve",
+    "__main__",
+}
 ENGINE_INTERNALS = {"models", "kv", "decoding"}
 MODEL_LAYER_CHECKS = {"smcspec.bench.gpu", "smcspec.bench.gpu_checks", "smcspec.bench.gpu_pairs"}
 

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from smcspec import LLM, cli
+from smcspec import LLM, cli, cli_generate
 from smcspec.potentials import ConstraintError
 from tests.server.test_tools import save_byte_model
 
@@ -63,7 +63,7 @@ def test_the_same_constraint_without_the_push_still_decodes(llm):
 
 
 def run_cli(monkeypatch, capsys, llm: LLM, *flags: str) -> tuple[int, str]:
-    monkeypatch.setattr(cli, "llm_from_args", lambda args, backend=None: llm)
+    monkeypatch.setattr(cli_generate, "llm_from_args", lambda args, backend=None: llm)
     head = ["generate", "hi", "--no-chat", "--seed", "0", "--max-new-tokens", "16"]
     status = cli.main([*head, *flags])
     return status, capsys.readouterr().err

@@ -1,4 +1,5 @@
-"""The import graph of smcspec: no circle, and arrows only point down the layers (DEVELOPERS.md).
+"""The import graph of smcspec: no circle, and arrows only point down the layers (see
+docs/development.md).
 
 Every `import` in the package counts, those inside functions included: a lazy import still ties
 two modules together. Each check is also run on a small made-up graph that breaks it, so that a

@@ -31,13 +31,13 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from smcspec.server.app import CLOSE_S
 from smcspec.server.cluster import (
     Hub,
     ReplicaOptions,
     ReplicaView,
     deployment_options,
 )
+from smcspec.server.http import CLOSE_S
 from smcspec.server.ray_exposure import (
     LOOPBACK,
     internal_grpc_on_loopback,

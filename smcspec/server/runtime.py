@@ -34,6 +34,7 @@ from smcspec.engine.text import check_stops
 from smcspec.potentials import Potential
 from smcspec.server import tools
 from smcspec.server.metrics import ServerMetrics
+from smcspec.server.responses import Finished, ParticleText, SmcspecExtension
 from smcspec.server.schema import (
     MAX_TOTAL_CHOICES,
     ChatMessage,
@@ -364,37 +365,24 @@ class Server:
             return SHUTTING_DOWN
         return None
 
-    def finish(self, result: GenerationResult, particles: bool) -> dict:
-        """The finish reason, the token count and the diagnostics of a finished choice."""
+    def finish(self, result: GenerationResult, particles: bool) -> Finished:
+        """The finish reason, the token count and the smcspec field of a finished choice."""
         used = len(result.token_ids)
         rounds = result.diagnostics["rounds"]
         self.metrics.record_choice(result.method, used, result.finish_reason, rounds, result.stats)
-        extra: dict[str, Any] = {"method": result.method, "diagnostics": result.diagnostics}
+        shown = None
         if particles and result.particle_texts is not None:
             weights = result.diagnostics.get("weights", [])
-            extra["particles"] = [
-                {"text": t, "weight": w}
+            shown = [
+                ParticleText(text=t, weight=finite(w))
                 for t, w in zip(result.particle_texts, weights, strict=True)
             ]
-        return {"reason": result.finish_reason, "tokens": used, "smcspec": finite(extra)}
+        diagnostics = finite(result.diagnostics)
+        extra = SmcspecExtension(method=result.method, diagnostics=diagnostics, particles=shown)
+        return Finished(result.finish_reason, used, extra)
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()
-
-
-def result_of(future) -> GenerationResult:
-    """The result of a finished job's future (asyncio or concurrent), bad input as ApiError:
-    a 400, as is a decode that could not satisfy its response_format or tools (a
-    `ConstraintError`); a stream, whose head has gone, gets it as an error event before
-    [DONE]."""
-    if future.cancelled():  # a job cancelled while still queued
-        raise Cancelled("the request was cancelled")
-    err = future.exception()
-    if err is None:
-        return future.result()
-    if isinstance(err, ValueError):
-        raise ApiError(str(err)) from err
-    raise err
 
 
 def _check_choices(prompts: int, n: int) -> None:

@@ -26,8 +26,9 @@ class Wire(BaseModel):
     model_config = ConfigDict(extra="forbid")
     _absent_when_none: ClassVar[frozenset[str]] = frozenset()
 
+    # No return annotation: pydantic would take it for the schema of every response in OpenAPI.
     @model_serializer(mode="wrap")
-    def _leave_out(self, handler: SerializerFunctionWrapHandler) -> Any:
+    def _leave_out(self, handler: SerializerFunctionWrapHandler):
         data = handler(self)
         absent = self._absent_when_none
         return {k: v for k, v in data.items() if not (v is None and k in absent)}

@@ -97,6 +97,9 @@ class Chunks:
         """A choice's last chunk, after all its text."""
         return self._event([self._choice(index, None, reason, logprobs, smcspec)])
 
+    def usage(self, usage: Usage) -> str:
+        return self._event([], usage)
+
     def _choice(
         self,
         index: int,
@@ -113,9 +116,6 @@ class Chunks:
         return CompletionChunkChoice(
             index=index, text=text or "", finish_reason=reason, logprobs=logprobs, smcspec=smcspec
         )
-
-    def usage(self, usage: Usage) -> str:
-        return self._event([], usage)
 
     def _event(self, choices: list, usage: Usage | None = None) -> str:
         kind = ChatCompletionChunk if self.chat else CompletionChunk

@@ -595,3 +595,22 @@ def test_tool_calls_are_openai_messages_and_deltas():
 def test_the_guards_error_body_is_the_error_model(args):
     """The guard and the connection layer still write `runtime.error_body`'s dict."""
     assert error_body(*args) == ErrorResponse.of(*args).model_dump()
+
+
+def test_openapi_gives_each_route_its_response_model(served):
+    schema = requests.get(served.url + "/openapi.json", timeout=10).json()
+    models = {
+        ("/v1/completions", "post"): "Completion",
+        ("/v1/chat/completions", "post"): "ChatCompletion",
+        ("/v1/models", "get"): "ModelList",
+        ("/health", "get"): "Health",
+        ("/tokenize", "post"): "Tokenized",
+        ("/detokenize", "post"): "Detokenized",
+    }
+    for (path, method), name in models.items():
+        answers = schema["paths"][path][method]["responses"]
+        assert answers["200"]["content"]["application/json"]["schema"]["$ref"].endswith(name)
+    choice = schema["components"]["schemas"]["CompletionChoice"]
+    assert {"index", "finish_reason", "logprobs", "text", "smcspec"} <= set(choice["required"])
+    error = answers["400"]["content"]["application/json"]["schema"]["$ref"]
+    assert error.endswith("ErrorResponse")

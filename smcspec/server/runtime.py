@@ -34,7 +34,7 @@ from smcspec.engine.text import check_stops
 from smcspec.potentials import Potential
 from smcspec.server import tools
 from smcspec.server.metrics import ServerMetrics
-from smcspec.server.responses import Finished, ParticleText, SmcspecExtension
+from smcspec.server.responses import ErrorResponse, Finished, ParticleText, SmcspecExtension
 from smcspec.server.schema import (
     MAX_TOTAL_CHOICES,
     ChatMessage,
@@ -70,9 +70,12 @@ class ApiError(Exception):
 SHUTTING_DOWN = ApiError("the server is shutting down", status=503, kind="server_error")
 
 
-def error_body(message: str, param: str | None = None, code=None, kind="invalid_request_error"):
-    """OpenAI's error object."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+def error_body(
+    message: str, param: str | None = None, code: str | None = None, kind="invalid_request_error"
+) -> dict[str, Any]:
+    """OpenAI's error object as JSON data, for the layers that answer before a route does (the
+    guard, the connection, Ray's proxy): the same `ErrorResponse` the routes send."""
+    return ErrorResponse.of(message, param, code, kind).model_dump()
 
 
 @dataclass(frozen=True)

@@ -44,70 +44,79 @@ def _over_cap(request: h11.Request) -> bool:
     return size > MAX_HEADER_BYTES or len(request.headers) > MAX_HEADERS
 
 
-def h11_protocol(read_timeout: float, write_timeout: float) -> type[H11Protocol]:
+class DeadlineProtocol(H11Protocol):
     """uvicorn's h11 protocol with a deadline on reading a request (its head and body must arrive
     within `read_timeout` seconds of the connection opening or of the request's first byte) and
     on writing a response (a client that reads none of it for `write_timeout` seconds, once the
     socket buffers are full, is dropped). uvicorn has neither: a client sending a byte now and
-    then, or never reading its stream, would hold the connection and its buffers for good."""
+    then, or never reading its stream, would hold the connection and its buffers for good.
 
-    class Deadlines(H11Protocol):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self.conn = CappedConnection()
-            self.write_deadline: Any = None
+    uvicorn builds the protocol itself from a class, so the deadlines are a subclass's own
+    (`h11_protocol`), not constructor arguments."""
 
-        def connection_made(self, transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self.read_deadline = self.loop.call_later(read_timeout, self.read_timed_out)
+    read_timeout: float
+    write_timeout: float
 
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            reading = self.conn.their_state in (h11.IDLE, h11.SEND_BODY)
-            if not reading and self.read_deadline is not None:
-                self.read_deadline.cancel()
-                self.read_deadline = None
-            elif reading and self.read_deadline is None:
-                self.read_deadline = self.loop.call_later(read_timeout, self.read_timed_out)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.conn = CappedConnection()
+        self.write_deadline: Any = None
 
-        def connection_lost(self, exc: Exception | None) -> None:
-            for deadline in (self.read_deadline, self.write_deadline):
-                if deadline is not None:
-                    deadline.cancel()
-            super().connection_lost(exc)
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.read_deadline = self.loop.call_later(self.read_timeout, self.read_timed_out)
 
-        def read_timed_out(self) -> None:
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        reading = self.conn.their_state in (h11.IDLE, h11.SEND_BODY)
+        if not reading and self.read_deadline is not None:
+            self.read_deadline.cancel()
             self.read_deadline = None
-            if self.conn.their_state in (h11.IDLE, h11.SEND_BODY):
-                self.transport.close()
+        elif reading and self.read_deadline is None:
+            self.read_deadline = self.loop.call_later(self.read_timeout, self.read_timed_out)
 
-        def pause_writing(self) -> None:
-            super().pause_writing()
-            if self.write_deadline is None:
-                self.write_deadline = self.loop.call_later(write_timeout, self.write_timed_out)
+    def connection_lost(self, exc: Exception | None) -> None:
+        for deadline in (self.read_deadline, self.write_deadline):
+            if deadline is not None:
+                deadline.cancel()
+        super().connection_lost(exc)
 
-        def resume_writing(self) -> None:
-            super().resume_writing()
-            if self.write_deadline is not None:
-                self.write_deadline.cancel()
-                self.write_deadline = None
-
-        def write_timed_out(self) -> None:
-            """`abort`, not `close`: close would wait for the client to read what is buffered."""
-            self.write_deadline = None
-            self.transport.abort()
-
-        def send_400_response(self, msg: str) -> None:
-            if self.conn.status_hint != 431:
-                return super().send_400_response(msg)
-            message = f"the request's head is over the server's limit of {MAX_HEADER_BYTES} "
-            message += f"bytes or {MAX_HEADERS} headers"
-            body = json.dumps(error_body(message)).encode()
-            headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
-            reason = HTTPStatus(431).phrase.encode()
-            response = h11.Response(status_code=431, headers=headers, reason=reason)
-            for event in (response, h11.Data(data=body), h11.EndOfMessage()):
-                self.transport.write(self.conn.send(event))
+    def read_timed_out(self) -> None:
+        self.read_deadline = None
+        if self.conn.their_state in (h11.IDLE, h11.SEND_BODY):
             self.transport.close()
 
-    return Deadlines
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self.write_deadline is None:
+            self.write_deadline = self.loop.call_later(self.write_timeout, self.write_timed_out)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self.write_deadline is not None:
+            self.write_deadline.cancel()
+            self.write_deadline = None
+
+    def write_timed_out(self) -> None:
+        """`abort`, not `close`: close would wait for the client to read what is buffered."""
+        self.write_deadline = None
+        self.transport.abort()
+
+    def send_400_response(self, msg: str) -> None:
+        if self.conn.status_hint != 431:
+            return super().send_400_response(msg)
+        message = f"the request's head is over the server's limit of {MAX_HEADER_BYTES} "
+        message += f"bytes or {MAX_HEADERS} headers"
+        body = json.dumps(error_body(message)).encode()
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        reason = HTTPStatus(431).phrase.encode()
+        response = h11.Response(status_code=431, headers=headers, reason=reason)
+        for event in (response, h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
+
+
+def h11_protocol(read_timeout: float, write_timeout: float) -> type[H11Protocol]:
+    """`DeadlineProtocol` with these deadlines (seconds), for uvicorn's `http`."""
+    deadlines = {"read_timeout": read_timeout, "write_timeout": write_timeout}
+    return type("Deadlines", (DeadlineProtocol,), deadlines)

@@ -341,15 +341,28 @@ def report(path: str | Path) -> str:
     records = measurements(path)
     rows = [r for r in records if "method" in r]
     trips = [r for r in records if "roundtrip_ms_median" in r]
+    base = {
+        (r.get("replicas", 0), r["method"]): r["tokens_per_second"]
+        for r in rows
+        if r["concurrency"] == 1
+    }
+    lines = _preamble(head, ray=any(r.get("replicas") for r in records))
+    lines += [_level_row(r, base.get((r.get("replicas", 0), r["method"]))) for r in rows]
+    if trips:
+        lines += _roundtrips(trips)
+    return "\n".join(lines) + "\n"
+
+
+def _preamble(head: dict[str, Any], ray: bool) -> list[str]:
+    """The title, the machine, what was run and what each column means, the table's head."""
     plan = head.get("plan", {})
     models = head.get("models", {})
-    ray = any(r.get("replicas") for r in records)
     servers = (
         "one `smcspec serve` process or its replicas on Ray Serve"
         if ray
         else ("one `smcspec serve` process")
     )
-    lines = [
+    return [
         "# smcspec serve under concurrent clients",
         "",
         f"Machine: {one_line(head['machine'])}." if "machine" in head else "Machine: ?",
@@ -369,41 +382,40 @@ def report(path: str | Path) -> str:
         "| ESS/N | resamples/req |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    base = {
-        (r.get("replicas", 0), r["method"]): r["tokens_per_second"]
-        for r in rows
-        if r["concurrency"] == 1
-    }
-    for r in rows:
-        one = base.get((r.get("replicas", 0), r["method"]))
-        speedup = r["tokens_per_second"] / one if one else None
+
+
+def _level_row(r: dict[str, Any], one: float | None) -> str:
+    """One (server, method, concurrency) row; `one` is its concurrency-1 tokens/s."""
+    speedup = r["tokens_per_second"] / one if one else None
+    return (
+        f"| {_server(r.get('replicas', 0))} | {r['method']} | {r['concurrency']} "
+        f"| {_fmt(r['requests_per_second'])} "
+        f"| {_fmt(r['tokens_per_second'])} | {_fmt(speedup)} "
+        f"| {_fmt(r['prompt_tokens'] / r['seconds'])} "
+        f"| {_fmt(r['latency_mean'])} / {_fmt(r['latency_p95'])} "
+        f"| {_fmt(r['ttft_mean'])} / {_fmt(r['ttft_median'])} "
+        f"| {_fmt(r['rows_per_target_pass'])} | {_fmt(r['forward_share'])} "
+        f"| {_fmt(r.get('graph_share'))} "
+        f"| {_fmt(r['acceptance'])} "
+        f"| {_fmt(r['ess_fraction'])} | {_fmt(r['resamples'])} |"
+    )
+
+
+def _roundtrips(trips: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "",
+        "Round trip of a request that does no work (`GET /v1/models`, 200 in a row on one "
+        "connection): what the HTTP path adds to every request.",
+        "",
+        "| server | median (ms) | p95 (ms) |",
+        "|---|---|---|",
+    ]
+    for t in trips:
         lines.append(
-            f"| {_server(r.get('replicas', 0))} | {r['method']} | {r['concurrency']} "
-            f"| {_fmt(r['requests_per_second'])} "
-            f"| {_fmt(r['tokens_per_second'])} | {_fmt(speedup)} "
-            f"| {_fmt(r['prompt_tokens'] / r['seconds'])} "
-            f"| {_fmt(r['latency_mean'])} / {_fmt(r['latency_p95'])} "
-            f"| {_fmt(r['ttft_mean'])} / {_fmt(r['ttft_median'])} "
-            f"| {_fmt(r['rows_per_target_pass'])} | {_fmt(r['forward_share'])} "
-            f"| {_fmt(r.get('graph_share'))} "
-            f"| {_fmt(r['acceptance'])} "
-            f"| {_fmt(r['ess_fraction'])} | {_fmt(r['resamples'])} |"
+            f"| {_server(t['replicas'])} | {_fmt(t['roundtrip_ms_median'])} "
+            f"| {_fmt(t['roundtrip_ms_p95'])} |"
         )
-    if trips:
-        lines += [
-            "",
-            "Round trip of a request that does no work (`GET /v1/models`, 200 in a row on one "
-            "connection): what the HTTP path adds to every request.",
-            "",
-            "| server | median (ms) | p95 (ms) |",
-            "|---|---|---|",
-        ]
-        for t in trips:
-            lines.append(
-                f"| {_server(t['replicas'])} | {_fmt(t['roundtrip_ms_median'])} "
-                f"| {_fmt(t['roundtrip_ms_p95'])} |"
-            )
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _server(replicas: int) -> str:

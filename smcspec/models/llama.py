@@ -13,25 +13,28 @@ Reference: this module is tested against `transformers` on the same weights.
 from __future__ import annotations
 
 import itertools
-import json
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from smcspec.kv.cache import PagedKVCache
-from smcspec.models import fused, int8_cache, rope
+from smcspec.models import fused, int8_cache
 from smcspec.models.attention import ForwardBatch, GatherAttention, GatherPlan, for_feed
 from smcspec.models.attention import choose as choose_attention
 from smcspec.models.fused import rms_reference as _rms
 from smcspec.models.fused import rotate_reference as _rotate
-from smcspec.models.layers import DenseLinear, Int8Linear, make_linear
+from smcspec.models.llama_config import LlamaConfig
+from smcspec.models.llama_weights import (
+    Layer,
+    WeightBuilder,
+    int8_entries,
+    random_weights,
+    read_safetensors,
+)
+from smcspec.models.rope_table import RopeTable
 from smcspec.sampling import to_device
-
-Linear = DenseLinear | Int8Linear
 
 SUPPORTED = ("llama", "qwen2", "mistral")
 # Feeds longer than this run as successive passes of at most this many tokens per sequence, so
@@ -41,63 +44,6 @@ SUPPORTED = ("llama", "qwen2", "mistral")
 # 2048-token pass over 32k keys. At 2048 rows a pass is still compute-bound (7B on an H200:
 # ~40 ms of matmuls against the 3 ms weight read each extra pass repeats).
 PREFILL_CHUNK = 2048
-
-
-@dataclass(frozen=True)
-class LlamaConfig:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope: rope.Rope
-    rms_eps: float
-    qkv_bias: bool
-    tie_embeddings: bool
-    max_positions: int = 4096
-
-    @classmethod
-    def from_hf(cls, cfg: dict) -> LlamaConfig:
-        """From a Hugging Face config dict; an unsupported RoPE scaling raises ValueError."""
-        heads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        return cls(
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads", heads),
-            head_dim=head_dim,
-            rope=rope.from_hf(cfg, head_dim),
-            rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            max_positions=int(cfg.get("max_position_embeddings") or 4096),
-        )
-
-    @classmethod
-    def read(cls, path: str | Path) -> LlamaConfig:
-        """The config of a safetensors folder (config.json) or a .gguf file (its metadata),
-        no weight read: what the engine cannot run is refused before anything loads."""
-        path = Path(path)
-        if path.suffix == ".gguf":
-            from smcspec.models import gguf_loader
-
-            return cls.from_hf(gguf_loader.config(path))
-        return cls.from_hf(json.loads((path / "config.json").read_text()))
-
-
-@dataclass
-class Layer:
-    input_norm: torch.Tensor  # [H]
-    qkv: Linear  # H -> (heads + 2 kv_heads) * D, with Qwen2's bias
-    o: Linear  # heads * D -> H
-    post_norm: torch.Tensor  # [H]
-    gate_up: Linear  # H -> 2 I
-    down: Linear  # I -> H
 
 
 class LlamaModel:
@@ -130,7 +76,6 @@ class LlamaModel:
         quantized: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         self.config = config
-        self._quantized = quantized  # cached int8 linears (`int8_cache`), taken as they are used
         self.dtype = dtype
         self.device = torch.device(device)
         if dtype == "int8" and self.device.type != "cpu":
@@ -138,89 +83,23 @@ class LlamaModel:
         self.attention = choose_attention(attention, self.device)
         self.fused = self.device.type != "cpu"
         self._gather = GatherAttention()
-        w = weights
         self.act_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
-        self.embed = self._tensor(w["model.embed_tokens.weight"])
-        self.norm = self._tensor(w["model.norm.weight"])
-        head = "model.embed_tokens.weight" if config.tie_embeddings else "lm_head.weight"
-        # Packing int8 weights (fbgemm) and quantizing them take most of a load: the head and
-        # the layers are built on as many threads as torch computes on (the ops release the
-        # GIL), the head first (the vocabulary's matrix packs slowest: 2 s of 10 s for 1.5B).
-        with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
-            lm_head = pool.submit(self._linear, w, "lm_head", [head], keep=config.tie_embeddings)
-            names = [f"model.layers.{i}." for i in range(config.num_layers)]
-            self.layers = list(pool.map(lambda p: self._layer(w, p), names))
-            self.lm_head = lm_head.result()
-        self._quantized = None
+        build = WeightBuilder(config, dtype, self.device, self.act_dtype, quantized)
+        self.embed = build.tensor(weights["model.embed_tokens.weight"])
+        self.norm = build.tensor(weights["model.norm.weight"])
+        self.layers, self.lm_head = build.layers(weights)
         self.rope = RopeTable(config.rope, self.act_dtype, self.device)
         self._sinks: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
-    def _tensor(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to(self.device, self.act_dtype)
-
-    def _layer(self, w: Mapping[str, torch.Tensor], p: str) -> Layer:
-        """Build layer `p`, taking its weights out of `w` so that float copies are freed as the
-        quantized ones are made."""
-        a = p + "self_attn."
-        qkv = [a + f"{x}_proj.weight" for x in "qkv"]
-        qkv_bias = [a + f"{x}_proj.bias" for x in "qkv"] if self.config.qkv_bias else []
-        gate_up = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
-        return Layer(
-            input_norm=self._tensor(w.pop(p + "input_layernorm.weight")),
-            qkv=self._linear(w, a + "qkv", qkv, qkv_bias),
-            o=self._linear(w, a + "o", [a + "o_proj.weight"]),
-            post_norm=self._tensor(w.pop(p + "post_attention_layernorm.weight")),
-            gate_up=self._linear(w, p + "mlp.gate_up", gate_up),
-            down=self._linear(w, p + "mlp.down", [p + "mlp.down_proj.weight"]),
-        )
-
-    def _linear(
-        self,
-        w: Mapping[str, torch.Tensor],
-        key: str,
-        weights: list[str],
-        biases: list[str] | None = None,
-        keep: bool = False,
-    ) -> Linear:
-        """The linear layer `key` over the concatenated `weights` (and `biases`): from the int8
-        cache when it holds it, else made from the float weights (taken out of `w` unless
-        `keep`)."""
-        cached = self._quantized
-        if cached is not None and f"{key}.q" in cached:
-            bias = cached.pop(f"{key}.bias") if f"{key}.bias" in cached else None
-            q, scale = cached.pop(f"{key}.q"), cached.pop(f"{key}.scale")
-            return Int8Linear.from_quantized(q, scale, bias)
-        take = w.__getitem__ if keep else w.pop
-        parts = [take(n) for n in weights]
-        weight = parts[0] if len(parts) == 1 else torch.cat(parts)
-        bias = torch.cat([w.pop(n) for n in biases]) if biases else None
-        return make_linear(weight, bias, self.dtype, self.device)
-
     def int8_entries(self) -> list[int8_cache.Entry]:
         """Every linear as the int8 cache stores it (q, scale, bias), made when written."""
-        named = [("lm_head", self.lm_head)]
-        for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            named += [(p + "self_attn.qkv", layer.qkv), (p + "self_attn.o", layer.o)]
-            named += [(p + "mlp.gate_up", layer.gate_up), (p + "mlp.down", layer.down)]
-        entries: list[int8_cache.Entry] = []
-        for key, linear in named:
-            out, inp = linear.out_features, linear.in_features
-            entries.append((f"{key}.q", torch.int8, (out, inp), lambda x=linear: x.quantized()[0]))
-            entries.append(
-                (f"{key}.scale", torch.float32, (out,), lambda x=linear: x.quantized()[1])
-            )
-            if linear.bias is not None:
-                entries.append((f"{key}.bias", torch.float32, (out,), lambda x=linear: x.bias))
-        return entries
+        return int8_entries(self.lm_head, self.layers)
 
     @classmethod
     def from_folder(
         cls, folder: str | Path, dtype: str = "float32", device: str = "cpu", **kw
     ) -> LlamaModel:
         """Load a Hugging Face safetensors folder (config.json + *.safetensors)."""
-        from safetensors.torch import load_file
-
         folder = Path(folder)
         config = LlamaConfig.read(folder)
         if dtype == "int8":  # quantized once, then read from the int8 cache
@@ -230,10 +109,7 @@ class LlamaModel:
             if cached is None:
                 int8_cache.save(folder, model.int8_entries())
             return model
-        weights: dict[str, torch.Tensor] = {}
-        for f in sorted(folder.glob("*.safetensors")):
-            weights.update(load_file(str(f)))
-        return cls(config, weights, dtype, device, **kw)
+        return cls(config, read_safetensors(folder), dtype, device, **kw)
 
     @classmethod
     def from_gguf(
@@ -442,74 +318,6 @@ class LlamaModel:
             kv.write(index, batch.slots, k, v)
         out = (batch.attention or self.attention)(q, kv, index, batch)  # [total, nh, d]
         return layer.o(out.reshape(-1, nh * d))
-
-
-class RopeTable:
-    """cos, sin [positions, D] of a RoPE, both scaled by its attention factor, kept on the
-    device and grown by doubling as longer sequences arrive. Each position's row is computed
-    from that position alone (`rope.angles`, float64), so a table lookup equals computing it
-    per call."""
-
-    def __init__(self, config: rope.Rope, dtype: torch.dtype, device: torch.device) -> None:
-        self.config, self.dtype, self.device = config, dtype, device
-        self.cos = self.sin = torch.zeros(0, config.dim, dtype=dtype, device=device)
-        self.pinned = False  # captured CUDA graphs read these very tensors: never move them
-
-    def pin(self, positions: int) -> None:
-        """Make the table cover `positions` and never move again (before a graph capture)."""
-        self.ensure(positions)
-        self.pinned = True
-
-    def ensure(self, positions: int) -> None:
-        """Make rows 0 .. positions - 1 available, growing the table (which moves it)."""
-        if positions <= self.cos.shape[0]:
-            return
-        if self.pinned:
-            raise ValueError(
-                f"position {positions - 1} is past the {self.cos.shape[0]} positions this model "
-                "was prepared for (its context length)"
-            )
-        size = max(64, 1 << (positions - 1).bit_length())
-        angles = rope.angles(self.config, torch.arange(size))  # [size, D/2]
-        angles = torch.cat([angles, angles], dim=-1)
-        scale = self.config.attention_factor
-        self.cos = to_device((angles.cos() * scale).to(self.dtype), self.device)
-        self.sin = to_device((angles.sin() * scale).to(self.dtype), self.device)
-
-    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [total, D] of positions [total] (on the table's device)."""
-        positions = positions.to(self.device)
-        return self.cos[positions], self.sin[positions]
-
-
-def random_weights(config: LlamaConfig, device: str | torch.device, seed: int = 0) -> dict:
-    """A Hugging Face-named float32 state dict of random weights with `config`'s shapes."""
-    c = config
-    meta = torch.device(device).type == "meta"  # shapes alone (`launches`): no generator there
-    g = None if meta else torch.Generator(device=device).manual_seed(seed)
-    h, i, d = c.hidden_size, c.intermediate_size, c.head_dim
-
-    def normal(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g, device=device) * 0.02
-
-    w = {"model.embed_tokens.weight": normal(c.vocab_size, h)}
-    w["model.norm.weight"] = torch.ones(h, device=device)
-    if not c.tie_embeddings:
-        w["lm_head.weight"] = normal(c.vocab_size, h)
-    for n in range(c.num_layers):
-        p, a = f"model.layers.{n}.", f"model.layers.{n}.self_attn."
-        heads = {"q": c.num_heads, "k": c.num_kv_heads, "v": c.num_kv_heads}
-        for name, rows in ((name, n_heads * d) for name, n_heads in heads.items()):
-            w[a + f"{name}_proj.weight"] = normal(rows, h)
-            if c.qkv_bias:
-                w[a + f"{name}_proj.bias"] = normal(rows)
-        w[a + "o_proj.weight"] = normal(h, c.num_heads * d)
-        w[p + "mlp.gate_proj.weight"] = normal(i, h)
-        w[p + "mlp.up_proj.weight"] = normal(i, h)
-        w[p + "mlp.down_proj.weight"] = normal(h, i)
-        w[p + "input_layernorm.weight"] = torch.ones(h, device=device)
-        w[p + "post_attention_layernorm.weight"] = torch.ones(h, device=device)
-    return w
 
 
 def _opt(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:

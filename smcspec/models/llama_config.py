@@ -1,0 +1,57 @@
+"""The shapes and settings of a native Llama-family model (`llama.LlamaModel`), read from a
+Hugging Face config or a GGUF file's metadata."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from smcspec.models import rope
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope: rope.Rope
+    rms_eps: float
+    qkv_bias: bool
+    tie_embeddings: bool
+    max_positions: int = 4096
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> LlamaConfig:
+        """From a Hugging Face config dict; an unsupported RoPE scaling raises ValueError."""
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=head_dim,
+            rope=rope.from_hf(cfg, head_dim),
+            rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_positions=int(cfg.get("max_position_embeddings") or 4096),
+        )
+
+    @classmethod
+    def read(cls, path: str | Path) -> LlamaConfig:
+        """The config of a safetensors folder (config.json) or a .gguf file (its metadata),
+        no weight read: what the engine cannot run is refused before anything loads."""
+        path = Path(path)
+        if path.suffix == ".gguf":
+            from smcspec.models import gguf_loader
+
+            return cls.from_hf(gguf_loader.config(path))
+        return cls.from_hf(json.loads((path / "config.json").read_text()))

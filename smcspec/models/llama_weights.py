@@ -1,0 +1,162 @@
+"""The weights of a native Llama (`llama.LlamaModel`): a Hugging Face-named state dict made into
+one `Layer` of fused linears per decoder layer and the LM head, in the model's dtype on its
+device; what the int8 cache (`int8_cache`) stores of them; and random weights of a config's
+shapes.
+
+Q, K and V become one linear, gate and up another, so a layer runs two matmuls where the state
+dict names five. With int8 weights, a linear the cache holds is packed from it and the float
+one is never quantized.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from smcspec.models import int8_cache
+from smcspec.models.layers import DenseLinear, Int8Linear, make_linear
+from smcspec.models.llama_config import LlamaConfig
+
+Linear = DenseLinear | Int8Linear
+
+
+@dataclass
+class Layer:
+    input_norm: torch.Tensor  # [H]
+    qkv: Linear  # H -> (heads + 2 kv_heads) * D, with Qwen2's bias
+    o: Linear  # heads * D -> H
+    post_norm: torch.Tensor  # [H]
+    gate_up: Linear  # H -> 2 I
+    down: Linear  # I -> H
+
+
+class WeightBuilder:
+    """Makes the model's tensors (in `act_dtype`) and linears (in `dtype`) on `device`, taking
+    each linear from `quantized` (cached int8 linears, popped as they are used) when it holds
+    it."""
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        dtype: str,
+        device: torch.device,
+        act_dtype: torch.dtype,
+        quantized: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        self.config, self.dtype, self.device, self.act_dtype = config, dtype, device, act_dtype
+        self.quantized = quantized
+
+    def tensor(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device, self.act_dtype)
+
+    def layers(self, w: Mapping[str, torch.Tensor]) -> tuple[list[Layer], Linear]:
+        """Every layer and the LM head. Packing int8 weights (fbgemm) and quantizing them take
+        most of a load: they are built on as many threads as torch computes on (the ops release
+        the GIL), the head first (the vocabulary's matrix packs slowest: 2 s of 10 s for 1.5B).
+        """
+        c = self.config
+        head = "model.embed_tokens.weight" if c.tie_embeddings else "lm_head.weight"
+        with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
+            lm_head = pool.submit(self.linear, w, "lm_head", [head], keep=c.tie_embeddings)
+            names = [f"model.layers.{i}." for i in range(c.num_layers)]
+            layers = list(pool.map(lambda p: self.layer(w, p), names))
+            return layers, lm_head.result()
+
+    def layer(self, w: Mapping[str, torch.Tensor], p: str) -> Layer:
+        """Build layer `p`, taking its weights out of `w` so that float copies are freed as the
+        quantized ones are made."""
+        a = p + "self_attn."
+        qkv = [a + f"{x}_proj.weight" for x in "qkv"]
+        qkv_bias = [a + f"{x}_proj.bias" for x in "qkv"] if self.config.qkv_bias else []
+        gate_up = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+        return Layer(
+            input_norm=self.tensor(w.pop(p + "input_layernorm.weight")),
+            qkv=self.linear(w, a + "qkv", qkv, qkv_bias),
+            o=self.linear(w, a + "o", [a + "o_proj.weight"]),
+            post_norm=self.tensor(w.pop(p + "post_attention_layernorm.weight")),
+            gate_up=self.linear(w, p + "mlp.gate_up", gate_up),
+            down=self.linear(w, p + "mlp.down", [p + "mlp.down_proj.weight"]),
+        )
+
+    def linear(
+        self,
+        w: Mapping[str, torch.Tensor],
+        key: str,
+        weights: list[str],
+        biases: list[str] | None = None,
+        keep: bool = False,
+    ) -> Linear:
+        """The linear layer `key` over the concatenated `weights` (and `biases`): from the int8
+        cache when it holds it, else made from the float weights (taken out of `w` unless
+        `keep`)."""
+        cached = self.quantized
+        if cached is not None and f"{key}.q" in cached:
+            bias = cached.pop(f"{key}.bias") if f"{key}.bias" in cached else None
+            q, scale = cached.pop(f"{key}.q"), cached.pop(f"{key}.scale")
+            return Int8Linear.from_quantized(q, scale, bias)
+        take = w.__getitem__ if keep else w.pop
+        parts = [take(n) for n in weights]
+        weight = parts[0] if len(parts) == 1 else torch.cat(parts)
+        bias = torch.cat([w.pop(n) for n in biases]) if biases else None
+        return make_linear(weight, bias, self.dtype, self.device)
+
+
+def int8_entries(lm_head: Linear, layers: list[Layer]) -> list[int8_cache.Entry]:
+    """Every linear as the int8 cache stores it (q, scale, bias), made when written."""
+    named = [("lm_head", lm_head)]
+    for i, layer in enumerate(layers):
+        p = f"model.layers.{i}."
+        named += [(p + "self_attn.qkv", layer.qkv), (p + "self_attn.o", layer.o)]
+        named += [(p + "mlp.gate_up", layer.gate_up), (p + "mlp.down", layer.down)]
+    entries: list[int8_cache.Entry] = []
+    for key, linear in named:
+        out, inp = linear.out_features, linear.in_features
+        entries.append((f"{key}.q", torch.int8, (out, inp), lambda x=linear: x.quantized()[0]))
+        entries.append((f"{key}.scale", torch.float32, (out,), lambda x=linear: x.quantized()[1]))
+        if linear.bias is not None:
+            entries.append((f"{key}.bias", torch.float32, (out,), lambda x=linear: x.bias))
+    return entries
+
+
+def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face folder's *.safetensors files."""
+    from safetensors.torch import load_file
+
+    weights: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        weights.update(load_file(str(f)))
+    return weights
+
+
+def random_weights(config: LlamaConfig, device: str | torch.device, seed: int = 0) -> dict:
+    """A Hugging Face-named float32 state dict of random weights with `config`'s shapes."""
+    c = config
+    meta = torch.device(device).type == "meta"  # shapes alone (`launches`): no generator there
+    g = None if meta else torch.Generator(device=device).manual_seed(seed)
+    h, i, d = c.hidden_size, c.intermediate_size, c.head_dim
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, device=device) * 0.02
+
+    w = {"model.embed_tokens.weight": normal(c.vocab_size, h)}
+    w["model.norm.weight"] = torch.ones(h, device=device)
+    if not c.tie_embeddings:
+        w["lm_head.weight"] = normal(c.vocab_size, h)
+    for n in range(c.num_layers):
+        p, a = f"model.layers.{n}.", f"model.layers.{n}.self_attn."
+        heads = {"q": c.num_heads, "k": c.num_kv_heads, "v": c.num_kv_heads}
+        for name, rows in ((name, n_heads * d) for name, n_heads in heads.items()):
+            w[a + f"{name}_proj.weight"] = normal(rows, h)
+            if c.qkv_bias:
+                w[a + f"{name}_proj.bias"] = normal(rows)
+        w[a + "o_proj.weight"] = normal(h, c.num_heads * d)
+        w[p + "mlp.gate_proj.weight"] = normal(i, h)
+        w[p + "mlp.up_proj.weight"] = normal(i, h)
+        w[p + "mlp.down_proj.weight"] = normal(h, i)
+        w[p + "input_layernorm.weight"] = torch.ones(h, device=device)
+        w[p + "post_attention_layernorm.weight"] = torch.ones(h, device=device)
+    return w

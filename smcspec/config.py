@@ -194,6 +194,75 @@ def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
 # of SamplingConfig needs no edit there.
 SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingConfig))
 
+# The KV pool of each native model when no size is given: 65,536 positions of 16-position pages.
+DEFAULT_KV_PAGES = 4096
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """How much one `LLM` runs at once and the KV memory it holds.
+
+    max_running: requests decoded at once (the rest wait in a queue); max_batch_tokens: tokens
+    (rows x positions) one forward pass carries at most (a longer prompt is fed in pieces).
+    The KV pool (native engine only; each of the target and the draft has one): `kv_pages` pages
+    each, or `kv_memory`, a share in (0, 1] of the memory free on the models' device once their
+    weights are loaded (as vLLM's gpu_memory_utilization; on a CPU, of the available RAM), split
+    so that both pools get as many pages; neither: DEFAULT_KV_PAGES. page_size: positions per
+    page. A size set here is refused at load when the pool cannot hold one sequence as long as
+    the model's context.
+    """
+
+    max_running: int = 64
+    max_batch_tokens: int = 256
+    kv_pages: int | None = None
+    kv_memory: float | None = None
+    page_size: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("max_running", "max_batch_tokens", "page_size"):
+            value = getattr(self, name)
+            _require(
+                _is_int(value) and value >= 1, f"{name} must be an integer >= 1, got {value!r}"
+            )
+        _require(
+            self.kv_pages is None or (_is_int(self.kv_pages) and self.kv_pages >= 1),
+            f"kv_pages must be an integer >= 1, got {self.kv_pages!r}",
+        )
+        _require(
+            self.kv_memory is None or (_is_number(self.kv_memory) and 0 < self.kv_memory <= 1),
+            f"kv_memory must be a share of the free memory in (0, 1], got {self.kv_memory!r}",
+        )
+        _require(
+            self.kv_pages is None or self.kv_memory is None,
+            "kv_pages and kv_memory both size the KV pool: give one of them",
+        )
+
+
+@dataclass(frozen=True)
+class HTTPLimits:
+    """The HTTP server's limits. max_body_bytes: the largest request body (a 413 above it);
+    shutdown_timeout: seconds running requests get to finish once a shutdown starts;
+    read_timeout: seconds a client has to send a request; write_timeout: seconds a client may
+    leave a response unread (once the socket buffers are full) before it is dropped."""
+
+    max_body_bytes: int = 4 * 2**20
+    shutdown_timeout: float = 5.0
+    read_timeout: float = 10.0
+    write_timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        _require(
+            _is_int(self.max_body_bytes) and self.max_body_bytes >= 1,
+            f"max_body_bytes must be an integer >= 1, got {self.max_body_bytes!r}",
+        )
+        _require(
+            _is_number(self.shutdown_timeout) and self.shutdown_timeout >= 0,
+            f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}",
+        )
+        for name in ("read_timeout", "write_timeout"):
+            value = getattr(self, name)
+            _require(_is_number(value) and value > 0, f"{name} must be > 0 seconds, got {value}")
+
 
 @dataclass(frozen=True)
 class SDConfig:

@@ -11,12 +11,12 @@ from __future__ import annotations
 import math
 import secrets
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from smcspec.config import DecodingConfig, SamplingConfig, SettingError
+from smcspec.config import DecodingConfig, EngineLimits, SamplingConfig, SettingError
 from smcspec.decoding import Decoder, DecodeResult, methods
 from smcspec.decoding.base import Stats, Watch
 from smcspec.decoding.logprobs import TokenLogprobs, score_prompt
@@ -65,7 +65,11 @@ class LLM:
     """A target model p, a draft model q that shares its tokenizer, and the three decoders.
 
     `target` / `draft` are a hub id, a local folder, a .gguf path, or None for the built-in
-    default pair; use `LLM.from_models` to plug in any `CausalLM` objects.
+    default pair; use `LLM.from_models` to plug in any `CausalLM` objects. `limits` (None:
+    `EngineLimits()`, kept as `llm.limits`): the requests `generate_batch` and a server decode at
+    once and the tokens of a pass on every backend; on the native engine also the KV pool's
+    size (kv_pages or kv_memory, page_size). The hf backend has no paged pool: its caches grow
+    with each request, and a pool size given for it is refused.
     """
 
     def __init__(
@@ -78,7 +82,9 @@ class LLM:
         cache_dir: str | None = None,
         backend: str = "auto",
         enforce_eager: bool = False,
+        limits: EngineLimits | None = None,
     ) -> None:
+        self.limits = EngineLimits() if limits is None else limits
         pair = load_pair(
             target,
             draft,
@@ -87,14 +93,29 @@ class LLM:
             cache_dir=cache_dir,
             backend=backend,
             enforce_eager=enforce_eager,
+            limits=self.limits,
         )
         self._setup(pair.target, pair.draft, pair.tokenizer)
         self.names, self.backend, self.dtype = pair.names, pair.backend, pair.dtype
 
     @classmethod
-    def from_models(cls, target: CausalLM, draft: CausalLM, tokenizer: Any = None) -> LLM:
-        """Wrap already-built models. Without a tokenizer, prompts must be token-id lists."""
+    def from_models(
+        cls,
+        target: CausalLM,
+        draft: CausalLM,
+        tokenizer: Any = None,
+        limits: EngineLimits | None = None,
+    ) -> LLM:
+        """Wrap already-built models. Without a tokenizer, prompts must be token-id lists.
+        Their KV pools are built already: `limits` sets what runs at once, never a pool size."""
+        limits = EngineLimits() if limits is None else limits
+        if limits.kv_pages is not None or limits.kv_memory is not None:
+            raise ValueError(
+                "kv_pages and kv_memory size the KV pool at load; models built elsewhere bring "
+                "their own pools"
+            )
         llm = cls.__new__(cls)
+        llm.limits = limits
         llm._setup(target, draft, tokenizer)
         llm.names = (type(target).__name__, type(draft).__name__)
         llm.backend, llm.dtype = "custom", "custom"
@@ -202,20 +223,25 @@ class LLM:
         prompts: Sequence[str | list[int]],
         method: str | None = None,
         *,
-        max_running: int = 64,
-        max_batch_tokens: int = 256,
+        max_running: int | None = None,
+        max_batch_tokens: int | None = None,
         **settings: Any,
     ) -> list[GenerationResult]:
         """`generate` for every prompt at once: the requests share batched forward passes
         (continuous batching, see `engine.scheduler`), each exactly as it would decode alone.
         Results come in prompt order; with a `seed`, prompt i uses seed + i. Every request is
-        checked before any runs."""
+        checked before any runs. `max_running` / `max_batch_tokens` override `llm.limits`'s for
+        this call."""
+        given = {"max_running": max_running, "max_batch_tokens": max_batch_tokens}
+        limits = replace(self.limits, **{k: v for k, v in given.items() if v is not None})
         seed = settings.pop("seed", None)
         requests = [
             self.request(p, method, seed=None if seed is None else seed + i, **settings)
             for i, p in enumerate(prompts)
         ]
-        scheduler = Scheduler((self.target, self.draft), max_running, max_batch_tokens)
+        scheduler = Scheduler(
+            (self.target, self.draft), limits.max_running, limits.max_batch_tokens
+        )
         try:
             jobs = [scheduler.submit(self.job(r)) for r in requests]
             return [job.future.result() for job in jobs]

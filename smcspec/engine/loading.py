@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from smcspec.config import EngineLimits
 from smcspec.models import defaults, hf, loader
 from smcspec.models.base import CausalLM
 
@@ -82,8 +83,11 @@ def load_pair(
     cache_dir: str | None = None,
     backend: str = "auto",
     enforce_eager: bool = False,
+    limits: EngineLimits | None = None,
 ) -> Pair:
-    """Check every setting, resolve the specs, and load both models on one backend."""
+    """Check every setting, resolve the specs, and load both models on one backend, the native
+    engine's KV pools sized by `limits` (None: `EngineLimits()`)."""
+    limits = EngineLimits() if limits is None else limits
     device = loader.resolve_device(device)  # before a minute of loading, not after
     loader.check_backend(backend)
     dtype = loader.resolve_dtype(dtype, device)
@@ -91,9 +95,9 @@ def load_pair(
     chosen = {loader.choose_backend(s, backend, device, dtype) for s in (target, draft)}
     backend = "native" if chosen == {"native"} else "hf"  # native needs both
     graphs = not enforce_eager
-    target_model, target_tok = loader.load(target, backend, dtype, device, graphs)
-    shared = target_tok if loader.same_tokenizer_files(target, draft) else None
-    draft_model, draft_tok = loader.load(draft, backend, dtype, device, graphs, shared)
+    (target_model, target_tok), (draft_model, draft_tok) = loader.load_two(
+        target, draft, backend, dtype, device, limits, graphs
+    )
     check_same_tokenizer(target_tok, draft_tok)
     names = (display_name(target), display_name(draft))
     return Pair(target_model, draft_model, target_tok, backend, dtype, names)

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from smcspec.config import EngineLimits
 from smcspec.models.base import CausalLM, KVCache, PagedModel, forward_many
 
 
@@ -123,6 +124,8 @@ class Scheduler:
     """Runs jobs over `models` (most expensive first, e.g. (target, draft)) with continuous
     batching.
 
+    `max_running` and `max_batch_tokens` are `EngineLimits`' (None: its defaults).
+
     Admission: a job starts when at most `max_running` jobs run and, for every model with a
     page pool (`model.pages`, a `kv.pages.PageAllocator`), the pages reserved by running jobs
     plus its own fit in the pool; otherwise it waits in a first-come queue. Models without a
@@ -136,15 +139,17 @@ class Scheduler:
     """
 
     def __init__(
-        self, models: Sequence[CausalLM], max_running: int = 64, max_batch_tokens: int = 256
+        self,
+        models: Sequence[CausalLM],
+        max_running: int | None = None,
+        max_batch_tokens: int | None = None,
     ) -> None:
-        if max_running < 1:
-            raise ValueError(f"max_running must be >= 1, got {max_running}")
-        if max_batch_tokens < 1:
-            raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
+        given = {"max_running": max_running, "max_batch_tokens": max_batch_tokens}
+        # None takes `EngineLimits()`'s value; the limits check the others
+        limits = EngineLimits(**{k: v for k, v in given.items() if v is not None})
         self.models = tuple(models)
-        self.max_running = max_running
-        self.max_batch_tokens = max_batch_tokens
+        self.max_running = limits.max_running
+        self.max_batch_tokens = limits.max_batch_tokens
         n = len(self.models)
         self.stats = SchedulerStats([0] * n, [0] * n, [0.0] * n, [0] * n)
         self._cond = threading.Condition()
@@ -186,9 +191,12 @@ class Scheduler:
         for i, need in enumerate(self._pages(job)):
             cap = self.capacity(i)
             if cap is not None and need > cap:
+                size = self.models[i].page_size  # type: ignore[attr-defined]  # a PagedModel
                 raise ValueError(
-                    f"the request needs up to {need} KV pages of model {i}, the pool has {cap}: "
-                    "ask for fewer tokens or particles"
+                    f"the request needs up to {need} KV pages of model {i}, the pool has {cap} "
+                    f"({cap} pages x {size} positions): ask for fewer tokens or particles, or "
+                    "give a larger pool (--kv-pages or --kv-memory; EngineLimits.kv_pages or "
+                    "kv_memory)"
                 )
         with self._cond:
             if self._stopping:

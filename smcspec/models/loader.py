@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from smcspec.config import EngineLimits
     from smcspec.models.base import CausalLM
+    from smcspec.models.llama import LlamaModel
 
 BACKENDS = ("auto", "native", "hf")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
@@ -126,6 +128,37 @@ def load(
     return load_native(spec, dtype, device, graphs, tokenizer)
 
 
+def load_two(
+    target: str,
+    draft: str,
+    backend: str,
+    dtype: str,
+    device: str,
+    limits: EngineLimits,
+    graphs: bool = True,
+) -> tuple[tuple[CausalLM, Any], tuple[CausalLM, Any]]:
+    """(model, tokenizer) of the target and of the draft, as `load` gives them; one tokenizer
+    serves both when their files are the same. The native engine sizes both KV pools from
+    `limits` once both models' weights are in memory (`native.pool_pages`); the hf backend
+    has no pool, and refuses a size."""
+    shared = same_tokenizer_files(target, draft)
+    if backend == "hf":
+        if limits.kv_pages is not None or limits.kv_memory is not None:
+            raise ValueError(
+                "kv_pages and kv_memory size the native engine's KV pool; the hf backend "
+                "has none (its caches grow with each request)"
+            )
+        first = load(target, backend, dtype, device, graphs)
+        return first, load(draft, backend, dtype, device, graphs, first[1] if shared else None)
+    from smcspec.models import native
+
+    target_model, target_eos, target_tok = read_native(target, dtype, device)
+    draft_read = read_native(draft, dtype, device, target_tok if shared else None)
+    pair = [(target_model, target_eos), draft_read[:2]]
+    target_lm, draft_lm = native.build(pair, limits, graphs)
+    return (target_lm, target_tok), (draft_lm, draft_read[2])
+
+
 _GGUF_HF_SCALING = (
     "transformers' GGUF loader ignores RoPE scaling, so the hf backend would run this file "
     "wrong; convert it to a safetensors folder whose config.json names the scaling"
@@ -175,11 +208,20 @@ def _tokenizer_key(path: Path) -> tuple:
 def load_native(
     spec: str, dtype: str, device: str, graphs: bool = True, tokenizer: Any = None
 ) -> tuple[CausalLM, Any]:
-    """The native Llama-family model on a paged KV cache, from a local safetensors folder or a
-    .gguf file, on `device` (a resolved one: cpu, cuda or cuda:<i>)."""
+    """The native Llama-family model on a paged KV cache of the default size, from a local
+    safetensors folder or a .gguf file, on `device` (a resolved one: cpu, cuda or cuda:<i>)."""
+    from smcspec.models.native import NativeCausalLM
+
+    model, eos, tokenizer = read_native(spec, dtype, device, tokenizer)
+    return NativeCausalLM(model, eos, graphs=graphs), tokenizer
+
+
+def read_native(
+    spec: str, dtype: str, device: str, tokenizer: Any = None
+) -> tuple[LlamaModel, set[int], Any]:
+    """The native model's weights (no KV pool yet), its EOS ids and its tokenizer."""
     from smcspec.models.hf import collect_ids
     from smcspec.models.llama import LlamaModel
-    from smcspec.models.native import NativeCausalLM
 
     if dtype == "float16":
         raise ValueError("the native backend runs float32, bfloat16 or int8, not float16")
@@ -190,11 +232,10 @@ def load_native(
         raise ValueError(f"{reason}; {hint}")
     tokenizer = load_tokenizer(spec) if tokenizer is None else tokenizer
     if path.suffix == ".gguf":
-        model = LlamaModel.from_gguf(path, dtype, device)
-        return NativeCausalLM(model, {tokenizer.eos_token_id}, graphs=graphs), tokenizer
+        return LlamaModel.from_gguf(path, dtype, device), {tokenizer.eos_token_id}, tokenizer
     config = json.loads((path / "config.json").read_text())
     model = LlamaModel.from_folder(path, dtype, device)
     gen_path = path / "generation_config.json"
     gen_eos = json.loads(gen_path.read_text()).get("eos_token_id") if gen_path.exists() else None
     eos = collect_ids(gen_eos, config.get("eos_token_id"), tokenizer.eos_token_id)
-    return NativeCausalLM(model, eos, graphs=graphs), tokenizer
+    return model, eos, tokenizer

@@ -8,8 +8,13 @@ mix of steps, up to a token bucket) replay graphs captured when the model is bui
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
 import torch
 
+from smcspec.config import DEFAULT_KV_PAGES, EngineLimits
 from smcspec.kv.cache import PagedKVCache
 from smcspec.models.graphs import TOKEN_BUCKETS, Capture, CudaCapture, GraphRunner
 from smcspec.models.llama import LlamaModel, stack_padded
@@ -56,8 +61,8 @@ class NativeCausalLM:
         self,
         model: LlamaModel,
         eos_token_ids: set[int],
-        num_pages: int = 4096,
-        page_size: int = 16,
+        num_pages: int = DEFAULT_KV_PAGES,
+        page_size: int = EngineLimits.page_size,
         graphs: bool = True,
         capture: Capture | None = None,
         graph_buckets: tuple[int, ...] = TOKEN_BUCKETS,
@@ -114,3 +119,62 @@ class NativeCausalLM:
             out.append(stack_padded(logits[start : start + tokens.shape[0]], num_logits))
             start += tokens.shape[0]
         return out
+
+
+def build(
+    models: Sequence[tuple[LlamaModel, set[int]]], limits: EngineLimits, graphs: bool = True
+) -> list[NativeCausalLM]:
+    """A `NativeCausalLM` per (model, EOS ids), each with a pool of `pool_pages` pages: sized
+    once every model's weights are in memory, so that `kv_memory` shares what they leave."""
+    pages = pool_pages([model for model, _ in models], limits)
+    return [NativeCausalLM(m, eos, pages, limits.page_size, graphs) for m, eos in models]
+
+
+def pool_pages(models: Sequence[LlamaModel], limits: EngineLimits) -> int:
+    """Pages of each model's pool (all get as many: a request holds as many positions in
+    each). `kv_memory` x the free bytes of the models' device, over the bytes one page costs
+    in all the pools, less the scratch page each pool holds beyond its pages. A size the user
+    set is refused, before anything is allocated, if one sequence of a model's full context
+    would not fit."""
+    if limits.kv_pages is None and limits.kv_memory is None:
+        return DEFAULT_KV_PAGES
+    pages, flag = limits.kv_pages, "--kv-pages"
+    if limits.kv_memory is not None:
+        budget = limits.kv_memory * free_bytes(models[0].device)
+        per_page = sum(page_bytes(m, limits.page_size) for m in models)
+        pages, flag = int(budget // per_page) - 1, "--kv-memory"
+    assert pages is not None
+    for model in models:
+        context = model.config.max_positions
+        if pages * limits.page_size < context:
+            raise ValueError(
+                f"a KV pool of {max(pages, 0)} pages x {limits.page_size} positions cannot hold "
+                f"one sequence of the model's context ({context} positions, "
+                f"{-(-context // limits.page_size)} pages): raise {flag}"
+            )
+    return pages
+
+
+def page_bytes(model: LlamaModel, page_size: int) -> int:
+    """Bytes of one page of `model`'s pool: K and V of `page_size` positions in every layer, in
+    the activations' dtype (int8 weights keep a float32 cache: `int8_cache` holds weights only,
+    their scales included, and no KV)."""
+    c = model.config
+    return 2 * c.num_layers * page_size * c.num_kv_heads * c.head_dim * model.act_dtype.itemsize
+
+
+def free_bytes(device: torch.device) -> int:
+    """Bytes free on `device`: the GPU's free memory, or the RAM available on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # kB
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError) as err:
+        raise ValueError(
+            "kv_memory: this machine does not tell its free RAM; size the pool with kv_pages"
+        ) from err

@@ -170,6 +170,11 @@ class Scheduler:
         model = self.models[index]
         return model.pages.num_pages if isinstance(model, PagedModel) else None
 
+    def page_size(self, index: int) -> int | None:
+        """Positions per page of model `index`'s pool, None when it has none."""
+        model = self.models[index]
+        return model.page_size if isinstance(model, PagedModel) else None
+
     def pages_for(self, rows: Sequence[int], max_length: int) -> list[int]:
         """The most pages a job can hold with rows[m] sequences of up to `max_length` positions
         in model m's pool: a page per page_size positions per row (a shared last page is copied
@@ -191,12 +196,11 @@ class Scheduler:
         for i, need in enumerate(self._pages(job)):
             cap = self.capacity(i)
             if cap is not None and need > cap:
-                size = self.models[i].page_size  # type: ignore[attr-defined]  # a PagedModel
                 raise ValueError(
                     f"the request needs up to {need} KV pages of model {i}, the pool has {cap} "
-                    f"({cap} pages x {size} positions): ask for fewer tokens or particles, or "
-                    "give a larger pool (--kv-pages or --kv-memory; EngineLimits.kv_pages or "
-                    "kv_memory)"
+                    f"({cap} pages x {self.page_size(i)} positions): ask for fewer tokens or "
+                    "particles, or give a larger pool (--kv-pages or --kv-memory; "
+                    "EngineLimits.kv_pages or kv_memory)"
                 )
         with self._cond:
             if self._stopping:

@@ -121,8 +121,9 @@ def check_reachable(address: str, timeout: float = 3.0) -> None:
 
 def deployment_options(options: ReplicaOptions, max_running: int, shutdown_s: float) -> dict:
     """Ray Serve deployment settings for the replica set. A replica takes as many requests as
-    its scheduler decodes at once (`max_running`); Ray holds the rest and hands each to the
-    replica that frees a slot first (Ray's default of 5 would starve continuous batching)."""
+    its scheduler decodes at once (`max_running` of the `EngineLimits` its LLM is built with);
+    Ray holds the rest and hands each to the replica that frees a slot first (Ray's default of
+    5 would starve continuous batching)."""
     chosen: dict[str, Any] = {
         "max_ongoing_requests": max_running,
         "health_check_period_s": 2.0,

@@ -42,7 +42,7 @@ class Guard:
             if refusal is not None:
                 await refusal(scope, receive, counted)
             else:
-                limit = self.server.defaults.max_body_bytes
+                limit = self.server.defaults.http.max_body_bytes
                 await self.app(scope, _bounded(receive, limit), counted)
         finally:
             route = scope.get("route")
@@ -53,7 +53,7 @@ class Guard:
         if problem is not None:
             body = error_body(problem, code="invalid_api_key")
             return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
-        limit = self.server.defaults.max_body_bytes
+        limit = self.server.defaults.http.max_body_bytes
         length = _header(scope, b"content-length") or b""
         if length.isdigit() and int(length) > limit:
             return JSONResponse(error_body(_too_large(limit)), status_code=413)

@@ -28,15 +28,15 @@ class HTTPServer(uvicorn.Server):
             host=host,
             port=port,
             log_level=log_level,
-            http=h11_protocol(d.read_timeout, d.write_timeout),
+            http=h11_protocol(d.http.read_timeout, d.http.write_timeout),
             timeout_keep_alive=KEEP_ALIVE_S,
-            timeout_graceful_shutdown=d.shutdown_timeout + CLOSE_S,
+            timeout_graceful_shutdown=d.http.shutdown_timeout + CLOSE_S,
         )
         super().__init__(config)
 
     async def shutdown(self, sockets=None) -> None:
         self.runtime.draining = True
-        grace = self.runtime.defaults.shutdown_timeout
+        grace = self.runtime.defaults.http.shutdown_timeout
         cancel = asyncio.get_running_loop().call_later(grace, self.runtime.cancel_all)
         try:
             await super().shutdown(sockets)

@@ -31,6 +31,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from smcspec.config import EngineLimits
 from smcspec.server.cluster import (
     Hub,
     ReplicaOptions,
@@ -56,12 +57,17 @@ HUB_TIMEOUT_S = 2.0
 
 @dataclass(frozen=True)
 class ReplicaSpec:
-    """What every replica builds: the `LLM`'s keyword arguments, the server's defaults, and the
-    number of threads torch computes on."""
+    """What every replica builds: the `LLM`'s keyword arguments (its `limits` among them), the
+    server's defaults, and the number of threads torch computes on."""
 
     llm: dict[str, Any]
     defaults: ServeDefaults
     threads: int = 1
+
+    @property
+    def limits(self) -> EngineLimits:
+        """The engine limits each replica's `LLM` is built with."""
+        return self.llm.get("limits") or EngineLimits()
 
 
 class ReplicaHeader:
@@ -150,7 +156,7 @@ def build_replica_app(spec: ReplicaSpec) -> ReplicaHeader:
     app = create_app(
         llm, spec.defaults, replica=lambda server: ReplicaView(replica, server, send, fetch)
     )
-    _drain_when_told(app.state.server, replica, spec.defaults.shutdown_timeout)
+    _drain_when_told(app.state.server, replica, spec.defaults.http.shutdown_timeout)
     return ReplicaHeader(app, replica)
 
 
@@ -183,7 +189,7 @@ def application(spec: ReplicaSpec, options: ReplicaOptions):
         return build_replica_app(spec)
 
     d = spec.defaults
-    chosen = deployment_options(options, d.max_running, d.shutdown_timeout)
+    chosen = deployment_options(options, spec.limits.max_running, d.http.shutdown_timeout)
     replica_class = serve.ingress(build)(ReplicaBase)
     return serve.deployment(replica_class, name=APP_NAME, **chosen).bind()
 
@@ -280,7 +286,7 @@ def serve_replicas(spec: ReplicaSpec, options: ReplicaOptions, host: str, port: 
         # A second signal must not cut the clean-up short: Ray's processes would outlive us.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        grace = spec.defaults.shutdown_timeout
+        grace = spec.defaults.http.shutdown_timeout
         if serving:
             _bounded(lambda: _drain_all(stopper, grace), grace + CLOSE_S + 15.0, "draining")
         _stop(local, serving, grace)

@@ -24,6 +24,7 @@ from jinja2 import TemplateError
 from smcspec.config import (
     SAMPLING_FIELDS,
     SERVER_TEMPERATURE,
+    HTTPLimits,
     SamplingConfig,
     SettingError,
     SMCConfig,
@@ -82,8 +83,8 @@ def error_body(
 class ServeDefaults:
     """Server-wide settings; each request may override the decoding ones. None: the engine's
     defaults (`smcspec.config`: sd, or smc for a request with a potential; each method's K).
-    `read_timeout`: seconds a client has to send a request; `write_timeout`: seconds a client may
-    leave a response unread (once the socket buffers are full) before it is dropped.
+    `http`: the HTTP server's limits (body size, timeouts); the engine's (requests at once,
+    tokens a pass, the KV pool) are the LLM's, `llm.limits`.
     `api_key`: when set, every route but /health needs `Authorization: Bearer <api_key>`; it is
     kept out of the repr so that no log line can show it."""
 
@@ -95,12 +96,7 @@ class ServeDefaults:
     resampling: str = SMCConfig.resampling
     temperature: float = SERVER_TEMPERATURE
     max_tokens: int = SamplingConfig.max_new_tokens
-    max_running: int = 64
-    max_batch_tokens: int = 256
-    max_body_bytes: int = 4 * 2**20
-    shutdown_timeout: float = 5.0
-    read_timeout: float = 10.0
-    write_timeout: float = 60.0
+    http: HTTPLimits = field(default_factory=HTTPLimits)
     api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -108,15 +104,8 @@ class ServeDefaults:
             self.method_settings
             | {"temperature": self.temperature, "max_new_tokens": self.max_tokens}
         )
-        for name in ("max_running", "max_batch_tokens", "max_body_bytes"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if not 0 <= self.shutdown_timeout < math.inf:
-            raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
-        for name in ("read_timeout", "write_timeout"):
-            if not 0 < getattr(self, name) < math.inf:
-                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if not isinstance(self.http, HTTPLimits):
+            raise ValueError(f"http must be an HTTPLimits, got {type(self.http).__name__}")
         _check_api_key(self.api_key)
 
     @property
@@ -149,8 +138,9 @@ class Server:
     def __init__(self, llm: LLM, defaults: ServeDefaults) -> None:
         self.llm = llm
         self.defaults = defaults
+        limits = llm.limits
         self.scheduler = Scheduler(
-            (llm.target, llm.draft), defaults.max_running, defaults.max_batch_tokens
+            (llm.target, llm.draft), limits.max_running, limits.max_batch_tokens
         )
         self.metrics = ServerMetrics(self.scheduler, defaults.model_name)
         self.context_length = llm.target.context_length
@@ -158,6 +148,24 @@ class Server:
         self.draining = False  # set on shutdown: new requests get a 503
         self._jobs: set[Job] = set()
         self._lock = threading.Lock()
+
+    def limits(self) -> dict[str, Any]:
+        """What the server runs within, as /health reports it: the scheduler's limits, the KV
+        pool as built (pages each model's pool holds, the smaller if they differ, and positions
+        a page; None without a paged pool: the hf backend), the HTTP limits."""
+        s, http = self.scheduler, self.defaults.http
+        pools = [(s.capacity(i), s.page_size(i)) for i in range(len(s.models))]
+        pages, size = min((p for p in pools if p[0] is not None), default=(None, None))
+        return {
+            "max_running": s.max_running,
+            "max_batch_tokens": s.max_batch_tokens,
+            "kv_pages": pages,
+            "page_size": size,
+            "max_body_bytes": http.max_body_bytes,
+            "shutdown_timeout": http.shutdown_timeout,
+            "read_timeout": http.read_timeout,
+            "write_timeout": http.write_timeout,
+        }
 
     # -- requests -> plans ------------------------------------------------------------------
 

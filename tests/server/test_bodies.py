@@ -15,6 +15,7 @@ import requests
 from pydantic import ValidationError
 
 from smcspec.bench.serving import parse_metrics
+from smcspec.config import HTTPLimits
 from smcspec.server import bodies
 from smcspec.server.app import ServeDefaults
 from smcspec.server.bodies import BodyReader, count_values, nests_past
@@ -56,7 +57,9 @@ def logs():
 def strict_server(tiny_llm):
     """A server whose clients get half a second to send a request and to read a stream, and
     its uvicorn server."""
-    defaults = ServeDefaults(MODEL, max_tokens=16, read_timeout=0.5, write_timeout=0.5)
+    defaults = ServeDefaults(
+        MODEL, max_tokens=16, http=HTTPLimits(read_timeout=0.5, write_timeout=0.5)
+    )
     handle, server, thread = serve(tiny_llm, defaults)
     # Accepted sockets inherit the listener's send buffer: a small one (no autotuning) fills with
     # a few KB, where the loopback's would take megabytes before uvicorn's buffer backs up.

@@ -22,12 +22,13 @@ import pytest
 import requests
 
 from smcspec.bench.serving import parse_metrics
+from smcspec.config import HTTPLimits
 from smcspec.server.app import ServeDefaults
 from tests.server.conftest import MODEL, serve
 from tests.server.test_limits import post_raw, until
 
 CLIENTS = 48
-LIMIT = ServeDefaults(MODEL).max_body_bytes  # 4 MiB: the large bodies fit under it
+LIMIT = ServeDefaults(MODEL).http.max_body_bytes  # 4 MiB: the large bodies fit under it
 # /health beside large bodies: the typical (median) probe within 100 ms, and none stalled for a
 # whole body's decoding (1.4-3.4 s before bodies were bounded). A worst case under 100 ms holds
 # on a quiet machine (30-77 ms measured) but not while another xdist worker fills the other
@@ -229,7 +230,7 @@ def counts(served) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def faulty(tiny_llm):
-    defaults = ServeDefaults(MODEL, max_tokens=16, max_body_bytes=LIMIT)
+    defaults = ServeDefaults(MODEL, max_tokens=16, http=HTTPLimits(max_body_bytes=LIMIT))
     handle, server, thread = serve(tiny_llm, defaults)
     yield handle
     server.should_exit = True

@@ -53,7 +53,7 @@ def test_a_non_streaming_client_that_hangs_up_frees_its_pages(served):
 
 
 def test_a_body_over_the_limit_is_refused_before_parsing(served):
-    limit = getattr(served.server.defaults, "max_body_bytes", 4_000_000)
+    limit = served.server.defaults.http.max_body_bytes
     junk = b"{" * (limit + 1)  # malformed JSON: parsed, it would be a 400
     resp = requests.post(served.v1 + "/completions", data=junk, timeout=30)
     assert resp.status_code == 413, resp.text
@@ -133,7 +133,7 @@ def test_health_answers_while_a_large_request_is_parsed(served):
     long, refused in the end for the context): the event loop stays free for /health."""
     messages = [{"role": "user", "content": "w1 " * 250}] * MAX_MESSAGES
     body = json.dumps({"model": MODEL, "messages": messages}).encode()
-    assert len(body) < getattr(served.server.defaults, "max_body_bytes", 4_000_000)
+    assert len(body) < served.server.defaults.http.max_body_bytes
     done, status, took = threading.Event(), [], []
 
     def big() -> None:
@@ -163,10 +163,13 @@ def test_health_answers_while_a_large_request_is_parsed(served):
 @pytest.fixture(scope="module")
 def impatient(tiny_llm):
     """A second server whose clients get one second to send a request."""
+    from smcspec.config import HTTPLimits
     from smcspec.server.app import ServeDefaults
     from tests.server.conftest import serve
 
-    handle, server, thread = serve(tiny_llm, ServeDefaults(MODEL, read_timeout=1.0))
+    handle, server, thread = serve(
+        tiny_llm, ServeDefaults(MODEL, http=HTTPLimits(read_timeout=1.0))
+    )
     yield handle
     server.should_exit = True
     thread.join(timeout=30)

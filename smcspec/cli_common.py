@@ -5,12 +5,16 @@ imports another's internals."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
 
 from smcspec.config import (
+    DEFAULT_KV_PAGES,
     RESAMPLING_SCHEMES,
     SD_DRAFT_TOKENS,
     SMC_DRAFT_TOKENS,
     SMC_PARTICLES,
+    EngineLimits,
+    HTTPLimits,
     SMCConfig,
 )
 from smcspec.engine import BACKENDS, DTYPES
@@ -73,9 +77,11 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-def llm_kwargs(args: argparse.Namespace, backend: str | None = None) -> dict:
-    """`LLM`'s arguments from the model options (`add_model_options`); `backend` overrides
-    --backend."""
+def llm_kwargs(
+    args: argparse.Namespace, backend: str | None = None, limits: EngineLimits | None = None
+) -> dict:
+    """`LLM`'s arguments from the model options (`add_model_options`) and `limits` (None: the
+    engine's defaults); `backend` overrides --backend."""
     return {
         "target": args.target,
         "draft": args.draft,
@@ -84,14 +90,79 @@ def llm_kwargs(args: argparse.Namespace, backend: str | None = None) -> dict:
         "cache_dir": args.cache_dir,
         "backend": args.backend if backend is None else backend,
         "enforce_eager": args.enforce_eager,
+        "limits": limits,
     }
 
 
-def llm_from_args(args: argparse.Namespace, backend: str | None = None):
-    """The LLM the model options (`add_model_options`) name; `backend` overrides --backend."""
+def llm_from_args(
+    args: argparse.Namespace, backend: str | None = None, limits: EngineLimits | None = None
+):
+    """The LLM the model options (`add_model_options`) name, within `limits`; `backend`
+    overrides --backend."""
     from smcspec.engine import LLM
 
-    return LLM(**llm_kwargs(args, backend))
+    return LLM(**llm_kwargs(args, backend, limits))
+
+
+# The flags of `EngineLimits`' fields (page_size keeps its default: no flag).
+ENGINE_FLAGS = ("max_running", "max_batch_tokens", "kv_pages", "kv_memory")
+
+
+def add_engine_limits(p: argparse.ArgumentParser) -> None:
+    """The flags of one `EngineLimits` (`engine_limits`), defaults read from it."""
+    limits = EngineLimits()
+    group = p.add_argument_group("engine limits")
+    group.add_argument(
+        "--max-running",
+        type=int,
+        default=limits.max_running,
+        help="requests decoded at once; others queue",
+    )
+    group.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=limits.max_batch_tokens,
+        help="tokens per forward pass; longer prompts are prefilled in pieces",
+    )
+    pool = group.add_mutually_exclusive_group()
+    pool.add_argument(
+        "--kv-pages",
+        type=int,
+        default=limits.kv_pages,
+        metavar="N",
+        help=f"native engine: pages of {limits.page_size} positions in each model's KV pool "
+        f"(default: {DEFAULT_KV_PAGES})",
+    )
+    pool.add_argument(
+        "--kv-memory",
+        type=float,
+        default=limits.kv_memory,
+        metavar="FRACTION",
+        help="native engine: size the KV pools to this share of the memory free once the "
+        "weights are loaded (the GPU's, or the RAM on a CPU), as vLLM's "
+        "--gpu-memory-utilization (default: --kv-pages's)",
+    )
+
+
+def engine_limits(args: argparse.Namespace) -> EngineLimits:
+    """The `EngineLimits` of `add_engine_limits`' flags, checked before any model loads."""
+    return _limits(EngineLimits, args, ENGINE_FLAGS)
+
+
+def http_limits(args: argparse.Namespace) -> HTTPLimits:
+    """The `HTTPLimits` of the flags named after its fields, checked."""
+    return _limits(HTTPLimits, args, tuple(f.name for f in fields(HTTPLimits)))
+
+
+def _limits(cls: type, args: argparse.Namespace, names: tuple[str, ...]):
+    """`cls` from the flags `names`; its error, which starts with the field, names the flag."""
+    try:
+        return cls(**{name: getattr(args, name) for name in names})
+    except ValueError as err:
+        name = next((n for n in names if str(err).startswith(n)), None)
+        if name is None:
+            raise
+        raise ValueError(f"--{name.replace('_', '-')}: {err}") from None
 
 
 def add_resample_threshold(p: argparse.ArgumentParser) -> None:

@@ -11,10 +11,12 @@ from typing import Any
 
 from smcspec.cli_common import (
     K_HELP,
+    add_engine_limits,
     add_model_options,
     add_particles,
     add_resampling,
     command,
+    engine_limits,
     llm_from_args,
 )
 from smcspec.cli_sampling import add_sampling_flags, sampling_settings
@@ -38,6 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_resampling(gen)
     add_sampling_flags(gen)
     add_model_options(gen)
+    add_engine_limits(gen)
     _add_potentials(gen)
     gen.add_argument(
         "--system", default=None, metavar="TEXT", help="a system message before the prompt"
@@ -71,7 +74,7 @@ def run_generate(args: argparse.Namespace) -> int:
     potentials = _potential_args(args)
     decoding, sampling = configs_from_fields(settings(args), has_potential=bool(potentials))
     check_stops(args.stop)
-    llm = llm_from_args(args)
+    llm = llm_from_args(args, limits=engine_limits(args))
     if args.system is not None:
         prompt = _with_system(llm, args.system, prompt)
     potential = llm.build_potential(

@@ -9,14 +9,23 @@ import sys
 
 from smcspec.cli_common import (
     K_HELP,
+    add_engine_limits,
     add_model_options,
     add_particles,
     add_resampling,
     command,
+    engine_limits,
+    http_limits,
     llm_from_args,
     llm_kwargs,
 )
-from smcspec.config import MAX_PARTICLES, SERVER_TEMPERATURE, SamplingConfig
+from smcspec.config import (
+    MAX_PARTICLES,
+    SERVER_TEMPERATURE,
+    EngineLimits,
+    HTTPLimits,
+    SamplingConfig,
+)
 from smcspec.engine import method_names
 
 
@@ -96,37 +105,33 @@ def _add_replicas(serve: argparse.ArgumentParser) -> None:
 
 
 def _add_serve_limits(serve: argparse.ArgumentParser) -> None:
-    serve.add_argument(
-        "--max-running", type=int, default=64, help="requests decoded at once; others queue"
-    )
-    serve.add_argument(
-        "--max-batch-tokens",
-        type=int,
-        default=256,
-        help="tokens per forward pass; longer prompts are prefilled in pieces",
-    )
-    serve.add_argument(
+    """The engine's limits and the flags of one `HTTPLimits` (`http_limits`), defaults read
+    from it."""
+    add_engine_limits(serve)
+    http = HTTPLimits()
+    group = serve.add_argument_group("HTTP limits")
+    group.add_argument(
         "--max-body-bytes",
         type=int,
-        default=4 * 2**20,
-        help="larger request bodies get a 413 before parsing (default: 4 MiB)",
+        default=http.max_body_bytes,
+        help="larger request bodies get a 413 before parsing",
     )
-    serve.add_argument(
+    group.add_argument(
         "--shutdown-timeout",
         type=float,
-        default=5.0,
+        default=http.shutdown_timeout,
         help="seconds running requests get to finish after SIGTERM before they are cancelled",
     )
-    serve.add_argument(
+    group.add_argument(
         "--read-timeout",
         type=float,
-        default=10.0,
+        default=http.read_timeout,
         help="seconds a client has to send a request's headers and body",
     )
-    serve.add_argument(
+    group.add_argument(
         "--write-timeout",
         type=float,
-        default=60.0,
+        default=http.write_timeout,
         help="seconds a client may leave a response unread before it is dropped",
     )
 
@@ -137,6 +142,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    limits = engine_limits(args)
     defaults = ServeDefaults(  # checked before a minute of model loading
         model_name=args.model_name or "",
         method=args.method,
@@ -146,18 +152,13 @@ def run_serve(args: argparse.Namespace) -> int:
         resampling=args.resampling,
         temperature=args.temperature,
         max_tokens=args.max_tokens,
-        max_running=args.max_running,
-        max_batch_tokens=args.max_batch_tokens,
-        max_body_bytes=args.max_body_bytes,
-        shutdown_timeout=args.shutdown_timeout,
-        read_timeout=args.read_timeout,
-        write_timeout=args.write_timeout,
+        http=http_limits(args),
         api_key=_api_key(args),
     )
     replicas = _replica_options(args)
     if replicas is not None:
-        return _serve_replicas(args, defaults, replicas)
-    llm = llm_from_args(args)
+        return _serve_replicas(args, defaults, replicas, limits)
+    llm = llm_from_args(args, limits=limits)
     name = args.model_name or public_name(llm.names[0])
     defaults = dataclasses.replace(defaults, model_name=name)
     app = create_app(llm, defaults)
@@ -199,7 +200,7 @@ def _replica_options(args: argparse.Namespace):
     return options
 
 
-def _serve_replicas(args: argparse.Namespace, defaults, options) -> int:
+def _serve_replicas(args: argparse.Namespace, defaults, options, limits: EngineLimits) -> int:
     from smcspec.engine.loading import display_name, resolve_specs
     from smcspec.server.cluster import check_reachable, require_ray
     from smcspec.server.runtime import public_name
@@ -211,7 +212,7 @@ def _serve_replicas(args: argparse.Namespace, defaults, options) -> int:
         check_reachable(options.address)
 
     # Checked, and the default pair fetched, once here rather than by every replica at once.
-    kwargs = llm_kwargs(args)
+    kwargs = llm_kwargs(args, limits=limits)
     kwargs["target"], kwargs["draft"] = resolve_specs(args.target, args.draft, args.cache_dir)
     name = args.model_name or public_name(display_name(kwargs["target"]))
     defaults = dataclasses.replace(defaults, model_name=name)

@@ -212,7 +212,7 @@ def run_generate(monkeypatch, capsys, llm, args, stdin: str | None = None):
         return real(prompt, decoding, sampling, potential, **kw)
 
     monkeypatch.setattr(llm, "plan", spy)
-    monkeypatch.setattr(cli_generate, "llm_from_args", lambda args, backend=None: llm)
+    monkeypatch.setattr(cli_generate, "llm_from_args", lambda args, **kwargs: llm)
     if stdin is not None:
         monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
     assert cli.main(["generate", *args, "--max-new-tokens", "3", "--seed", "0", "--json"]) == 0

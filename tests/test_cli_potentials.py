@@ -39,7 +39,7 @@ def tiny_llm(tiny_llama_folder, tiny_llama_draft_folder):
 def generate(monkeypatch, capsys, llm: LLM, *flags: str) -> dict:
     """`smcspec generate PROMPT --json FLAGS` on `llm`: one exact step of 6 particles unless
     the flags say otherwise."""
-    monkeypatch.setattr(cli_generate, "llm_from_args", lambda args, backend=None: llm)
+    monkeypatch.setattr(cli_generate, "llm_from_args", lambda args, **kwargs: llm)
     head = ["generate", PROMPT, "--no-chat", "--json", "--method", "smc", "--seed", "0"]
     steps = ["--particles", "6", "--max-new-tokens", "1", "--temperature", "1"]
     assert cli.main([*head, *steps, *flags]) == 0

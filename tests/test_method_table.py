@@ -58,7 +58,7 @@ def test_a_method_added_as_one_row_reaches_python_the_cli_and_http(
     out = tiny_llm.generate("w1 w2", "fake", **settings)
     assert out.method == "fake" and fake_method == [FakeConfig(3)]
 
-    monkeypatch.setattr(cli_generate, "llm_from_args", lambda args, backend=None: tiny_llm)
+    monkeypatch.setattr(cli_generate, "llm_from_args", lambda args, **kwargs: tiny_llm)
     argv = ["generate", "w1 w2", "--method", "fake", "-k", "3", "--max-new-tokens", "4"]
     assert cli.main([*argv, "--seed", "0", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)

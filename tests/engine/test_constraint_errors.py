@@ -63,7 +63,7 @@ def test_the_same_constraint_without_the_push_still_decodes(llm):
 
 
 def run_cli(monkeypatch, capsys, llm: LLM, *flags: str) -> tuple[int, str]:
-    monkeypatch.setattr(cli_generate, "llm_from_args", lambda args, backend=None: llm)
+    monkeypatch.setattr(cli_generate, "llm_from_args", lambda args, **kwargs: llm)
     head = ["generate", "hi", "--no-chat", "--seed", "0", "--max-new-tokens", "16"]
     status = cli.main([*head, *flags])
     return status, capsys.readouterr().err

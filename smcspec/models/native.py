@@ -16,6 +16,7 @@ import torch
 
 from smcspec.config import DEFAULT_KV_PAGES, EngineLimits
 from smcspec.kv.cache import PagedKVCache
+from smcspec.kv.pages import OutOfPages
 from smcspec.models.graphs import TOKEN_BUCKETS, Capture, CudaCapture, GraphRunner
 from smcspec.models.llama import LlamaModel, stack_padded
 
@@ -109,16 +110,29 @@ class NativeCausalLM:
             seqs += cache.rows
             rows += list(tokens)
             wants += [num_logits] * tokens.shape[0]
-        logits = None
-        if self.graphs is not None:
-            logits = self.graphs.run(seqs, rows, wants)
-        if logits is None:
-            logits = self.model.forward_ragged(self.kv, seqs, rows, wants)
+        try:
+            logits = self._forward_rows(seqs, rows, wants)
+        except OutOfPages as err:  # mid-decode: the user can only act on it by the pool's size
+            raise OutOfPages(
+                f"{err} ({self.pages.num_pages} pages x {self.page_size} positions): give a "
+                "larger pool (--kv-pages or --kv-memory; EngineLimits.kv_pages or kv_memory)"
+            ) from err
         out, start = [], 0
         for tokens, _, num_logits in calls:
             out.append(stack_padded(logits[start : start + tokens.shape[0]], num_logits))
             start += tokens.shape[0]
         return out
+
+    def _forward_rows(
+        self, seqs: list[int], rows: list[torch.Tensor], wants: list[int]
+    ) -> list[torch.Tensor]:
+        """Each row's logits, by a graph replay where one fits, else eagerly."""
+        logits = None
+        if self.graphs is not None:
+            logits = self.graphs.run(seqs, rows, wants)
+        if logits is None:
+            logits = self.model.forward_ragged(self.kv, seqs, rows, wants)
+        return logits
 
 
 def build(

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from smcspec.config import DEFAULT_KV_PAGES, EngineLimits
+from smcspec.kv.pages import OutOfPages
 from smcspec.models import native
 from smcspec.models.llama import LlamaModel
 
@@ -126,3 +127,12 @@ def test_the_free_ram_is_what_the_system_reports_available():
     memory = psutil.virtual_memory()
     got = native.free_bytes(torch.device("cpu"))
     assert abs(got - memory.available) < 0.05 * memory.total
+
+
+def test_running_out_of_pages_mid_decode_names_the_pool_and_the_flag(models):
+    """A decode outside the scheduler (`generate`) has no admission check: the pool running
+    dry says how big it is and what grows it. Failed on: the bare allocator error."""
+    lm = native.NativeCausalLM(models["float32"][0], {1}, num_pages=2, page_size=4, graphs=False)
+    cache = lm.new_cache()
+    with pytest.raises(OutOfPages, match=r"\(2 pages x 4 positions\).*--kv-pages or --kv-memory"):
+        lm.forward(torch.full((1, 9), 3), cache, 1)  # 9 positions: 3 pages

@@ -180,6 +180,8 @@ def page_bytes(model: LlamaModel, page_size: int) -> int:
 def free_bytes(device: torch.device) -> int:
     """Bytes free on `device`: the GPU's free memory, or the RAM available on a CPU."""
     if device.type == "cuda":
+        # blocks torch still caches from the load's temporaries are free to the pool too
+        torch.cuda.empty_cache()
         return torch.cuda.mem_get_info(device)[0]
     meminfo = Path("/proc/meminfo")
     if meminfo.is_file():

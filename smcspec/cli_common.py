@@ -111,7 +111,11 @@ ENGINE_FLAGS = ("max_running", "max_batch_tokens", "kv_pages", "kv_memory")
 def add_engine_limits(p: argparse.ArgumentParser) -> None:
     """The flags of one `EngineLimits` (`engine_limits`), defaults read from it."""
     limits = EngineLimits()
-    group = p.add_argument_group("engine limits")
+    group = p.add_argument_group(
+        "engine limits",
+        "--max-running and --max-batch-tokens bound the scheduler that batches concurrent "
+        "requests (serve's); generate decodes its one request alone",
+    )
     group.add_argument(
         "--max-running",
         type=int,
@@ -140,7 +144,7 @@ def add_engine_limits(p: argparse.ArgumentParser) -> None:
         metavar="FRACTION",
         help="native engine: size the KV pools to this share of the memory free once the "
         "weights are loaded (the GPU's, or the RAM on a CPU), as vLLM's "
-        "--gpu-memory-utilization (default: --kv-pages's)",
+        "--gpu-memory-utilization (default: none; the pools hold --kv-pages)",
     )
 
 

@@ -45,6 +45,7 @@ from smcspec.server.responses import (
     ErrorResponse,
     Head,
     Health,
+    Limits,
     ModelCard,
     ModelList,
     Tokenized,
@@ -127,8 +128,8 @@ def _add_status_routes(app: FastAPI, server: Server, view: ReplicaView | None) -
 
 
 def _health(server: Server, replicas: dict[str, Any]) -> Health:
-    """What /health reports: the models, and whether the scheduler's thread is alive (with
-    `replicas`, what `ReplicaView.health` adds)."""
+    """What /health reports: the models, whether the scheduler's thread is alive, the limits
+    the server runs within (with `replicas`, what `ReplicaView.health` adds)."""
     s, llm = server.scheduler, server.llm
     alive = s.alive
     return Health(
@@ -141,6 +142,7 @@ def _health(server: Server, replicas: dict[str, Any]) -> Health:
         scheduler_alive=alive,
         running=s.running,
         queued=s.queued,
+        limits=Limits(**server.limits()),
         **replicas,
     )
 

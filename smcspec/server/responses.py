@@ -289,6 +289,20 @@ class ReplicaHealth(Wire):
     age_s: float  # since the replica last pushed this row
 
 
+class Limits(Wire):
+    """What the server runs within: the engine's limits (`config.EngineLimits`; the KV pool as
+    built, null without a paged pool) and the HTTP ones (`config.HTTPLimits`)."""
+
+    max_running: int
+    max_batch_tokens: int
+    kv_pages: int | None
+    page_size: int | None
+    max_body_bytes: int
+    shutdown_timeout: float
+    read_timeout: float
+    write_timeout: float
+
+
 class Health(Wire):
     _absent_when_none = frozenset({"replica", "replicas"})
     status: Literal["ok", "degraded"]
@@ -300,6 +314,7 @@ class Health(Wire):
     scheduler_alive: bool
     running: int
     queued: int
+    limits: Limits
     replica: str | None = None
     replicas: list[ReplicaHealth] | None = None
 

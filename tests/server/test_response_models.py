@@ -456,6 +456,17 @@ HEALTH = {
     "scheduler_alive": True,
     "running": 0,
     "queued": 0,
+    # the defaults of config.EngineLimits and HTTPLimits, the pool as the native engine builds it
+    "limits": {
+        "max_running": 64,
+        "max_batch_tokens": 256,
+        "kv_pages": 4096,
+        "page_size": 16,
+        "max_body_bytes": 4 * 2**20,
+        "shutdown_timeout": 5.0,
+        "read_timeout": 10.0,
+        "write_timeout": 60.0,
+    },
 }
 
 

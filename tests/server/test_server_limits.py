@@ -55,6 +55,32 @@ def test_limits_report_the_pool_as_built_and_the_http_limits(
     }
 
 
+def test_health_reports_the_limits_the_server_runs_within(
+    tiny_llama_folder, tiny_llama_draft_folder
+):
+    """/health carries `Server.limits()`: what admission uses, not the classes' defaults.
+    Failed on: /health built from EngineLimits() and HTTPLimits() (64 where 3 was set)."""
+    from fastapi.testclient import TestClient
+
+    from smcspec.server.app import create_app
+
+    limits = EngineLimits(max_running=3, max_batch_tokens=9, kv_pages=40)
+    folders = str(tiny_llama_folder), str(tiny_llama_draft_folder)
+    llm = LLM(*folders, backend="native", dtype="float32", limits=limits)
+    with TestClient(create_app(llm, ServeDefaults("tiny", http=HTTP))) as client:
+        reported = client.get("/health").json()["limits"]
+    assert reported == {
+        "max_running": 3,
+        "max_batch_tokens": 9,
+        "kv_pages": 40,
+        "page_size": 16,
+        "max_body_bytes": 1000,
+        "shutdown_timeout": 2.5,
+        "read_timeout": 3.0,
+        "write_timeout": 4.0,
+    }
+
+
 def test_models_without_a_paged_pool_report_none(server_of):
     """Failed on: page_size reported from the limits (16) for models that have no pages."""
     target = random_lm(5, seed=1)

@@ -222,15 +222,19 @@ class EngineLimits:
         for name in ("max_running", "max_batch_tokens", "page_size"):
             value = getattr(self, name)
             _require(
-                _is_int(value) and value >= 1, f"{name} must be an integer >= 1, got {value!r}"
+                _is_int(value) and value >= 1,
+                f"{name} must be an integer >= 1, got {value!r}",
+                name,
             )
         _require(
             self.kv_pages is None or (_is_int(self.kv_pages) and self.kv_pages >= 1),
             f"kv_pages must be an integer >= 1, got {self.kv_pages!r}",
+            "kv_pages",
         )
         _require(
             self.kv_memory is None or (_is_number(self.kv_memory) and 0 < self.kv_memory <= 1),
             f"kv_memory must be a share of the free memory in (0, 1], got {self.kv_memory!r}",
+            "kv_memory",
         )
         _require(
             self.kv_pages is None or self.kv_memory is None,
@@ -254,14 +258,18 @@ class HTTPLimits:
         _require(
             _is_int(self.max_body_bytes) and self.max_body_bytes >= 1,
             f"max_body_bytes must be an integer >= 1, got {self.max_body_bytes!r}",
+            "max_body_bytes",
         )
         _require(
             _is_number(self.shutdown_timeout) and self.shutdown_timeout >= 0,
             f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}",
+            "shutdown_timeout",
         )
         for name in ("read_timeout", "write_timeout"):
             value = getattr(self, name)
-            _require(_is_number(value) and value > 0, f"{name} must be > 0 seconds, got {value}")
+            _require(
+                _is_number(value) and value > 0, f"{name} must be > 0 seconds, got {value}", name
+            )
 
 
 @dataclass(frozen=True)

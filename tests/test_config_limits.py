@@ -33,8 +33,9 @@ def test_the_defaults_are_the_engines_and_the_servers():
     ],
 )
 def test_engine_limits_name_the_bad_field(field, value):
-    with pytest.raises(ValueError, match=f"^{field} must"):
+    with pytest.raises(ValueError, match=f"^{field} must") as err:
         EngineLimits(**{field: value})
+    assert err.value.field == field  # the name a front end points at (an HTTP 400's param)
 
 
 def test_engine_limits_take_a_page_count_or_a_share_of_memory_not_both():
@@ -59,8 +60,9 @@ def test_engine_limits_take_a_page_count_or_a_share_of_memory_not_both():
     ],
 )
 def test_http_limits_name_the_bad_field(field, value):
-    with pytest.raises(ValueError, match=f"^{field} must"):
+    with pytest.raises(ValueError, match=f"^{field} must") as err:
         HTTPLimits(**{field: value})
+    assert err.value.field == field
 
 
 def test_a_shutdown_may_cancel_at_once():

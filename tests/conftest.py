@@ -105,3 +105,20 @@ def tiny_llama_draft_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-llama-draft")
     save_tiny_model(folder, seed=1, arch="llama")
     return folder
+
+
+class Loading(Exception):
+    """Raised where a model would be looked for: everything before it was accepted."""
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Refuse, with `Loading`, any model being looked for, downloaded or loaded (the serving
+    bench's server loads them too): what runs before it was checked without a model."""
+
+    def refuse(*args, **kwargs):
+        raise Loading
+
+    monkeypatch.setattr("smcspec.models.defaults.ensure", refuse)
+    monkeypatch.setattr("smcspec.models.loader.load", refuse)
+    monkeypatch.setattr("smcspec.bench.serving.run_serve_bench", refuse)

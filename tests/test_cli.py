@@ -12,6 +12,7 @@ import torch
 
 from smcspec import LLM, cli, cli_generate
 from smcspec.config import SDConfig, SMCConfig
+from tests.conftest import Loading
 
 
 @pytest.mark.parametrize(
@@ -53,20 +54,6 @@ def test_unknown_method_is_an_argparse_error():
     )
     assert result.returncode == 2 and "invalid choice" in result.stderr
     assert "Traceback" not in result.stderr
-
-
-class Loading(Exception):
-    """Raised where a model would be looked for: everything before it was accepted."""
-
-
-@pytest.fixture
-def no_loading(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise Loading
-
-    monkeypatch.setattr("smcspec.models.defaults.ensure", refuse)
-    monkeypatch.setattr("smcspec.models.loader.load", refuse)
-    monkeypatch.setattr("smcspec.bench.serving.run_serve_bench", refuse)  # its server loads them
 
 
 def commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):

@@ -57,18 +57,6 @@ def test_help_prints_the_pool_default(capsys):
     assert "(default: 4096)" in text
 
 
-class Loading(Exception):
-    """Raised where a model would be looked for."""
-
-
-@pytest.fixture
-def no_loading(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise Loading
-
-    monkeypatch.setattr("smcspec.models.defaults.ensure", refuse)
-
-
 @pytest.mark.parametrize("command", [["generate", "w1"], ["serve"]])
 @pytest.mark.parametrize(
     ("flag", "value"),

@@ -179,17 +179,6 @@ def test_particles_are_bounded_unless_large_is_allowed(llm):
     assert llm.request([1], "smc", particles=65, allow_large=True).decoding.particles == 65
 
 
-@pytest.fixture
-def no_loading(monkeypatch):
-    """Fail the test if any model is looked for, downloaded or loaded."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a model was looked for or loaded")
-
-    monkeypatch.setattr("smcspec.models.defaults.ensure", refuse)
-    monkeypatch.setattr("smcspec.models.loader.load", refuse)
-
-
 @pytest.mark.parametrize(
     ("device", "cuda_devices", "message"),
     [

@@ -1,7 +1,15 @@
 """smcspec: Sequential Monte Carlo speculative decoding (SMC-SD), with exact SD and AR baselines."""
 
-from smcspec.config import ARConfig, SamplingConfig, SDConfig, SMCConfig
+from smcspec.config import ARConfig, MSDConfig, SamplingConfig, SDConfig, SMCConfig
 from smcspec.engine import LLM, GenerationResult
 
-__all__ = ["LLM", "ARConfig", "GenerationResult", "SDConfig", "SMCConfig", "SamplingConfig"]
+__all__ = [
+    "LLM",
+    "ARConfig",
+    "GenerationResult",
+    "MSDConfig",
+    "SDConfig",
+    "SMCConfig",
+    "SamplingConfig",
+]
 __version__ = "0.1.0"

@@ -13,6 +13,11 @@ RESAMPLING_SCHEMES: tuple[str, ...] = ("systematic", "multinomial", "stratified"
 SD_DRAFT_TOKENS = 4
 SMC_PARTICLES = 2
 SMC_DRAFT_TOKENS = 8
+# msd is not measured yet (issue 28's sweep is): a round of msd at N = 1 is sd's, so its K is
+# sd's best; N = 2 is the fewest drafts that make a tree, and smc's best N on this machine, where
+# every row costs a row in each of the K draft steps and in the target pass.
+MSD_PARTICLES = 2
+MSD_DRAFT_TOKENS = SD_DRAFT_TOKENS
 # More particles than this is more often a typo (`-n` read as tokens or choices elsewhere) than
 # a plan; `allow_large` lifts the bound.
 MAX_PARTICLES = 64
@@ -319,9 +324,30 @@ class SMCConfig:
 
 
 @dataclass(frozen=True)
+class MSDConfig:
+    """Exact multi-draft speculative decoding: N independent drafts of K tokens per round,
+    verified as a token tree (SpecInfer's multi-round speculative sampling). N = 1 is sd."""
+
+    particles: int = MSD_PARTICLES
+    draft_tokens: int = MSD_DRAFT_TOKENS
+
+    def __post_init__(self) -> None:
+        _require(
+            _is_int(self.particles) and self.particles >= 1,
+            f"particles (N) must be an integer >= 1, got {self.particles!r}",
+            "particles",
+        )
+        _require(
+            _is_int(self.draft_tokens) and self.draft_tokens >= 1,
+            f"draft_tokens (K) must be an integer >= 1, got {self.draft_tokens!r}",
+            "draft_tokens",
+        )
+
+
+@dataclass(frozen=True)
 class ARConfig:
     """Autoregressive decoding: one target step per token, the reference the others match. It
     has no settings; its type is what picks it."""
 
 
-DecodingConfig = ARConfig | SDConfig | SMCConfig
+DecodingConfig = ARConfig | SDConfig | SMCConfig | MSDConfig

@@ -64,12 +64,24 @@ class SMCStats(Stats):
 
 
 @dataclass
+class MSDStats(Stats):
+    stopped: bool
+    accepted_tokens: int  # drafts committed (up to and including a kept EOS)
+    accepted_lengths: list[int]  # each round: the depth its tree walk reached (drafts accepted)
+    # at depth d + 1: of the rounds whose walk got there with drafts left, the share accepting
+    # one (None where none got there)
+    acceptance_by_depth: list[float | None]
+    mean_accepted_length: float | None  # None, not NaN, when nothing was drafted
+    tokens_per_round: float | None
+
+
+@dataclass
 class DecodeResult:
     """Generated token ids (EOS included when it ended the sequence) and diagnostics.
 
-    `stats` holds the method's own figures (`ARStats`, `SDStats`, `SMCStats`). `particles`
-    holds every final particle's tokens for smc; `logprobs` the tokens' log-probabilities when
-    the sampling config asks for them.
+    `stats` holds the method's own figures (`ARStats`, `SDStats`, `SMCStats`, `MSDStats`).
+    `particles` holds every final particle's tokens for smc; `logprobs` the tokens'
+    log-probabilities when the sampling config asks for them.
     """
 
     tokens: list[int]

@@ -23,6 +23,7 @@ from smcspec.config import (
     SAMPLING_FIELDS,
     ARConfig,
     DecodingConfig,
+    MSDConfig,
     SamplingConfig,
     SDConfig,
     SettingError,
@@ -30,6 +31,7 @@ from smcspec.config import (
 )
 from smcspec.decoding.autoregressive import AutoregressiveDecoder
 from smcspec.decoding.base import Decoder
+from smcspec.decoding.msd import MultiDraftDecoder
 from smcspec.decoding.smc import SMCDecoder
 from smcspec.decoding.speculative import SpeculativeDecoder
 from smcspec.models.base import CausalLM
@@ -89,6 +91,15 @@ TABLE: dict[str, Method] = {
             lookahead=lambda config: config.draft_tokens,
             potentials=True,
             summary="SMC speculative decoding: N particles of K draft tokens, weighted, resampled",
+        ),
+        Method(
+            "msd",
+            MSDConfig,
+            lambda target, draft, config, potential: MultiDraftDecoder(target, draft, config),
+            kv_rows=lambda config: (config.particles, config.particles),
+            lookahead=lambda config: config.draft_tokens,
+            potentials=False,
+            summary="multi-draft speculative decoding: N drafts of K tokens a round, exact",
         ),
     )
 }

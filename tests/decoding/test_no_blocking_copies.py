@@ -1,4 +1,5 @@
-"""The host waits for the device once per round: never inside the K draft steps of sd and smc.
+"""The host waits for the device once per round: never inside the K draft steps of sd, smc and
+msd.
 
 Two checks, since neither sees everything:
 - The source (an AST walk over smcspec/decoding and smcspec/sampling.py): every copy to a
@@ -6,7 +7,7 @@ Two checks, since neither sees everything:
   .item(), .tolist(), .numpy(), int / float / bool of one, `sampling.to_host`) is listed below
   with its reason. It cannot tell a host tensor from a device one, so the host's own reads are
   listed too, marked "host"; it cannot see `if tensor:`.
-- The behaviour: ar, sd and smc decode with models on the meta device, which stands in for a
+- The behaviour: ar, sd, smc and msd decode with models on the meta device, which stands in for a
   GPU (shapes without values), under a dispatch mode that counts each read of a meta tensor
   on the host (answering zeros) and each host -> meta copy without non_blocking. That sees
   every read the run makes, implicit ones included, on the paths the run takes.
@@ -23,8 +24,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import smcspec
-from smcspec.config import SamplingConfig, SDConfig, SMCConfig
-from smcspec.decoding import AutoregressiveDecoder, SMCDecoder, SpeculativeDecoder
+from smcspec.config import MSDConfig, SamplingConfig, SDConfig, SMCConfig
+from smcspec.decoding import (
+    AutoregressiveDecoder,
+    MultiDraftDecoder,
+    SMCDecoder,
+    SpeculativeDecoder,
+)
 
 PACKAGE = Path(smcspec.__file__).parent
 SOURCES = [*sorted((PACKAGE / "decoding").glob("*.py")), PACKAGE / "sampling.py"]
@@ -57,6 +63,14 @@ READS: dict[tuple[str, str, str], tuple[str, str]] = {
         ROUND,
         "ar's round is one token, which the next step's context needs on the host",
     ),
+    ("msd.py", "MultiDraftDecoder._round", "sampling.to_host(path, depth, winner, *scored)"): (
+        ROUND,
+        "the tree walk and the final draw ran on the device (the scores too, when asked for); "
+        "the block is cut and the rows restarted on the host",
+    ),
+    ("msd.py", "MultiDraftDecoder._round", "path.tolist()"): (HOST, "read back"),
+    ("msd.py", "MultiDraftDecoder._round", "int(depth)"): (HOST, "read back"),
+    ("msd.py", "MultiDraftDecoder._round", "int(winner)"): (HOST, "read back"),
     ("smc.py", "SMCDecoder._exact_step", "sampling.to_host(token, *scored)"): (
         EXTRA,
         "a collapsed round (every weight zero) is known only after the round's wait",
@@ -113,6 +127,7 @@ ROUND_FUNCTIONS = {
     ("smc.py", "SMCDecoder._round"),
     ("speculative.py", "SpeculativeDecoder._accept"),
     ("autoregressive.py", "AutoregressiveDecoder._draw"),
+    ("msd.py", "MultiDraftDecoder._round"),
 }
 DTYPES = {"float64", "float32", "float16", "bfloat16", "double", "float", "half", "long", "int"}
 DTYPES |= {"int64", "int32", "bool", "uint8"}
@@ -321,6 +336,7 @@ def waits_per_round(method: str, cfg: SamplingConfig) -> tuple[list[int], list[s
         "ar": lambda: AutoregressiveDecoder(target),
         "sd": lambda: SpeculativeDecoder(target, draft, SDConfig(3)),
         "smc": lambda: SMCDecoder(target, draft, SMCConfig(particles=4, draft_tokens=3)),
+        "msd": lambda: MultiDraftDecoder(target, draft, MSDConfig(particles=4, draft_tokens=3)),
     }[method]()
     with traffic:
         decoder.decode([1, 2, 3], cfg, torch.Generator().manual_seed(0))
@@ -341,12 +357,12 @@ ADJUSTED = SamplingConfig(
 )
 LOGPROBS = SamplingConfig(1.0, max_new_tokens=9, logprobs=2)
 # rounds of 9 new tokens: ar one each; sd one each (every read-back draft is "rejected");
-# smc K + 1 = 4, 4, then 1
-ROUNDS = {"ar": 9, "sd": 9, "smc": 3}
+# smc K + 1 = 4, 4, then 1; msd one each (depth 0 read back: the walk rejected at the root)
+ROUNDS = {"ar": 9, "sd": 9, "smc": 3, "msd": 9}
 
 
 @pytest.mark.parametrize("cfg", [PLAIN, ADJUSTED, LOGPROBS], ids=["plain", "adjusted", "logprobs"])
-@pytest.mark.parametrize("method", ["ar", "sd", "smc"])
+@pytest.mark.parametrize("method", ["ar", "sd", "smc", "msd"])
 def test_one_wait_per_round_and_no_blocking_copy(method, cfg):
     per_round, blocking = waits_per_round(method, cfg)
     # sd's logprobs are read once the block is known: a second wait (see READS)

@@ -9,6 +9,7 @@ from dataclasses import fields
 
 from smcspec.config import (
     DEFAULT_KV_PAGES,
+    MSD_DRAFT_TOKENS,
     RESAMPLING_SCHEMES,
     SD_DRAFT_TOKENS,
     SMC_DRAFT_TOKENS,
@@ -19,7 +20,10 @@ from smcspec.config import (
 )
 from smcspec.engine import BACKENDS, DTYPES
 
-K_HELP = f"draft tokens K per round (default: {SD_DRAFT_TOKENS} for sd, {SMC_DRAFT_TOKENS} for smc)"
+K_HELP = (
+    f"draft tokens K per round (default: {SD_DRAFT_TOKENS} for sd, {SMC_DRAFT_TOKENS} for smc, "
+    f"{MSD_DRAFT_TOKENS} for msd)"
+)
 
 
 class Help(argparse.ArgumentDefaultsHelpFormatter):

@@ -32,7 +32,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "prompt", help="the prompt (a user message unless --no-chat); - reads standard input"
     )
     gen.add_argument("--method", choices=method_names(), default=None, help=METHOD_HELP)
-    add_particles(gen, f"SMC particles N; more than {MAX_PARTICLES} need --allow-large")
+    add_particles(gen, f"particles N (smc, msd); more than {MAX_PARTICLES} need --allow-large")
     gen.add_argument(
         "--allow-large", action="store_true", help=f"allow more than {MAX_PARTICLES} particles"
     )

@@ -242,7 +242,7 @@ def test_msd_reaches_its_config_from_python_the_cli_and_http(tiny_llm, monkeypat
     assert out.method == "msd" and built == [MSDConfig(3, 2)]
     assert set(out.diagnostics) >= {"accepted_lengths", "acceptance_by_depth"}
 
-    monkeypatch.setattr(cli_generate, "llm_from_args", lambda args, backend=None: tiny_llm)
+    monkeypatch.setattr(cli_generate, "llm_from_args", lambda args, **kwargs: tiny_llm)
     argv = ["generate", "w1 w2", "--method", "msd", "--particles", "3", "-k", "2"]
     assert cli.main([*argv, "--max-new-tokens", "4", "--seed", "0", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)

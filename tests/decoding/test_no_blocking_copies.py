@@ -68,6 +68,10 @@ READS: dict[tuple[str, str, str], tuple[str, str]] = {
         "the tree walk and the final draw ran on the device (the scores too, when asked for); "
         "the block is cut and the rows restarted on the host",
     ),
+    ("methods.py", "configs_from_fields", "bool(given.get('allow_large'))"): (
+        HOST,
+        "a setting, not a tensor",
+    ),
     ("msd.py", "MultiDraftDecoder._round", "path.tolist()"): (HOST, "read back"),
     ("msd.py", "MultiDraftDecoder._round", "int(depth)"): (HOST, "read back"),
     ("msd.py", "MultiDraftDecoder._round", "int(winner)"): (HOST, "read back"),

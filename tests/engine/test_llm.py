@@ -12,7 +12,7 @@ def llm():
     return LLM.from_models(target, perturbed_lm(target, seed=2, noise=0.5))
 
 
-@pytest.mark.parametrize("method", ["ar", "sd", "smc"])
+@pytest.mark.parametrize("method", ["ar", "sd", "smc", "msd"])
 def test_generate_returns_tokens_and_diagnostics(llm, method):
     out = llm.generate(
         [1, 2], method, particles=4, draft_tokens=2, max_new_tokens=6, seed=3, stop_at_eos=False
@@ -216,7 +216,7 @@ def _fewest_tokens_holding(llm, tokens: list[int], stop: str) -> int:
     return next(m for m in range(1, len(tokens) + 1) if stop in llm.decode_text(tokens[:m]))
 
 
-@pytest.mark.parametrize("method", ["ar", "sd", "smc"])
+@pytest.mark.parametrize("method", ["ar", "sd", "smc", "msd"])
 def test_stop_strings_cut_the_text_and_end_decoding(llm, method):
     """With the same seed the run is the free run up to the first stop string: the text is cut
     just before it, the tokens end with the one that completed it, and decoding stopped. (smc
@@ -274,7 +274,7 @@ EXTREME_SAMPLING = [
 ]
 
 
-@pytest.mark.parametrize("method", ["ar", "sd", "smc"])
+@pytest.mark.parametrize("method", ["ar", "sd", "smc", "msd"])
 @pytest.mark.parametrize("options", EXTREME_SAMPLING)
 def test_extreme_temperatures_complete_with_tokens_in_the_vocabulary(llm, method, options):
     """Issue 12: at T = 1e-45 the float32 law was NaN and the sampler returned id V."""
@@ -296,7 +296,7 @@ def tiny_llm(tiny_folder, tiny_draft_folder):
     return LLM(str(tiny_folder), str(tiny_draft_folder), backend="native", dtype="float32")
 
 
-@pytest.mark.parametrize("method", ["ar", "sd", "smc"])
+@pytest.mark.parametrize("method", ["ar", "sd", "smc", "msd"])
 @pytest.mark.parametrize("options", EXTREME_SAMPLING[:2] + EXTREME_SAMPLING[5:])
 def test_extreme_temperatures_on_the_native_model(tiny_llm, method, options):
     out = tiny_llm.generate(

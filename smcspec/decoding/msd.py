@@ -13,13 +13,14 @@ depth K the bonus token is drawn from p. Every row then restarts from the accept
 winner's row forked N times (page tables, no KV copy) and cropped to the committed length.
 
 Why the committed tokens follow p exactly. Given all the walk has read before a node (the
-drafts' shallower tokens, the uniforms), the m drafts alive there have tokens at this depth
-i.i.d. from q: drafts are independent, and whether one is alive depends only on its shallower
-tokens. Testing m i.i.d. draws from q in turn against the residual, then drawing from the last
-residual, emits y with probability r(y): for m = 0 it is a draw from r; for m >= 1 the first
-draw is kept as y with probability q(y) min(1, r(y) / q(y)) = min(r, q)(y), rejected with
-Z = 1 - sum min(r, q) = sum (r - q)+, and then (by induction on m, with the other m - 1 draws,
-independent of the first) emits y with probability (r - q)+(y) / Z; in all
+drafts' shallower tokens, the uniforms of the tests above), the m drafts alive there have
+tokens at this depth i.i.d. from q: drafts are independent, and whether one is alive depends
+only on tokens above this depth and on those uniforms; each test and the final draw take a
+uniform of their own. Testing m i.i.d. draws from q in turn against the residual, then drawing
+from the last residual, emits y with probability r(y): for m = 0 it is a draw from r; for
+m >= 1 the first draw is kept as y with probability q(y) min(1, r(y) / q(y)) = min(r, q)(y),
+rejected with Z = 1 - sum min(r, q) = sum (r - q)+, and then (by induction on m, with the other
+m - 1 draws, independent of the first) emits y with probability (r - q)+(y) / Z; in all
 min(r, q)(y) + (r - q)+(y) = r(y). Started from r = p, each node emits its token from
 p(. | path) whatever the past, and the bonus is a draw from p. A rejected draft never carries
 the accepted token (it was rejected, so r(x) < q(x), and the residual then gives x nothing): the
@@ -28,6 +29,8 @@ next depth's alive drafts are exactly those that drew it, i.i.d. from q given th
 The residual after m rejections at a node, r_m = (p - c_m q)+ / S_m with c_0 = 0, S_m =
 sum (p - c_m q)+ and c_{m+1} = c_m + S_m, does not depend on which tokens were rejected, so
 `residual_scales` computes it for every node of the tree at once and `walk` reads scalars only.
+Rows alive at a node share its prefix, so their laws there are one p and one q; each draft's
+test reads its own row's (equal up to rounding, and its token always has q > 0 there).
 """
 
 from __future__ import annotations

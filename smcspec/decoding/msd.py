@@ -28,7 +28,8 @@ next depth's alive drafts are exactly those that drew it, i.i.d. from q given th
 
 The residual after m rejections at a node, r_m = (p - c_m q)+ / S_m with c_0 = 0, S_m =
 sum (p - c_m q)+ and c_{m+1} = c_m + S_m, does not depend on which tokens were rejected, so
-`residual_scales` computes it for every node of the tree at once and `walk` reads scalars only.
+`residual_scales` computes it at a node in N passes over the vocabulary, and the tests of a
+depth run at once.
 Rows alive at a node share its prefix, so their laws there are one p and one q; each draft's
 test reads its own row's (equal up to rounding, and its token always has q > 0 there).
 """
@@ -212,8 +213,8 @@ def residual_scales(
     total = [torch.ones_like(c[0])]  # r_0 = p
     for _ in range(rejections):
         c.append(c[-1] + total[-1])
-        # p - c q in one pass and in place after: at a 152k vocabulary these [N, k, V] float64
-        # passes are most of the walk's cost
+        # p - c q in one pass, clamped in place: at a 152k vocabulary these float64 passes are
+        # most of the walk's cost
         total.append(torch.addcmul(p, c[-1][..., None], q, value=-1).clamp_min_(0).sum(dim=-1))
     return torch.stack(c), torch.stack(total)
 
@@ -233,60 +234,64 @@ def verify(
     law at each of its tokens), logp [N, k + 1, V] (the target's after each of its prefixes),
     u [k N + 1]: the test of draft j at depth d takes u[d N + j], the final draw the last.
     Returns the winner's path [k + 1] (its drafts, then at index `depth` the drawn token),
-    `depth` [] (drafts accepted) and `winner` [] (a row holding the path)."""
+    `depth` [] (drafts accepted) and `winner` [] (a row holding the path).
+
+    Depth by depth, the alive drafts are tested at once and the first that passes is kept: a
+    draft preceded by m alive ones is tested only if those m were rejected, so after exactly m
+    rejections, against r_m. Only the node's laws [V] are read at each depth (the winner's row
+    so far), not all N rows': at a 152k vocabulary these float64 passes are the walk's cost."""
     n, k = drafts.shape
     if k == 0:
         token = sampling.sample_at(logp[0, 0], u[0])
         zero = torch.zeros((), dtype=torch.long, device=logp.device)
         return token[None], zero, zero
-    p = logp[:, :k].to(torch.float64).exp_()  # [N, k, V]
-    q = logq.to(torch.float64).exp_()  # [N, k, V]
-    c, total = residual_scales(p, q, n)  # [N + 1, N, k] each
-    px, qx = sampling.pick(p, drafts), sampling.pick(q, drafts)  # [N, k]
-    ratio = residual(px, qx, c[:n], total[:n]) / qx  # [N (rejections before), N, k]
-    depth, winner, rejected = walk(drafts, ratio, u[:-1].view(k, n))
-    # the end node is the winner's row at `depth`: its residual after the rejections, or past
-    # depth k its bonus law
-    at = depth.clamp(max=k - 1)
-    row_p = logp.index_select(0, winner[None])[0]  # [k + 1, V]
-    end_p = row_p.index_select(0, depth[None])[0].double().exp()  # [V]
-    end_q = logq.index_select(0, winner[None])[0].index_select(0, at[None])[0].double().exp()
-    cell = (rejected * n + winner) * k + at  # [] into the [N + 1, N, k] tables
-    scale = c.reshape(-1).index_select(0, cell[None])
-    rest = (end_p - scale * end_q).clamp_min(0)  # [V]
-    law = torch.where(depth < k, residual(end_p, end_q, scale, rest.sum()), end_p)
+    px = sampling.pick(logp[:, :k], drafts).double().exp()  # [N, k] each draft's own row's
+    qx = sampling.pick(logq, drafts).double().exp()  # [N, k]
+    laws = _NodeLaws(logp, logq)
+    alive = torch.ones(n, dtype=torch.bool, device=drafts.device)  # [N] drafts on the path
+    walking = torch.ones((), dtype=torch.bool, device=drafts.device)
+    depth = torch.zeros((), dtype=torch.long, device=drafts.device)
+    winner = torch.zeros_like(depth)  # the row of the last kept draft: the node's row
+    end_c = torch.zeros((), dtype=torch.float64, device=drafts.device)
+    for d in range(k):
+        c, total = residual_scales(*laws.at(winner, d), n)  # [N + 1] each
+        ahead = alive.long().cumsum(0) - alive.long()  # [N] alive drafts tested before each
+        ratio = residual(px[:, d], qx[:, d], c[ahead], total[ahead]) / qx[:, d]  # [N]
+        passed = alive & (u[d * n : (d + 1) * n] < ratio)  # [N]
+        kept = passed.any()
+        first = passed.long().argmax()  # the first that passes (argmax takes the first maximum)
+        stop = walking & ~kept  # c after all the alive drafts' rejections: the end residual's
+        end_c = torch.where(stop, c.gather(0, alive.long().sum()[None])[0], end_c)
+        walking = walking & kept
+        alive = alive & (drafts[:, d] == drafts[:, d].gather(0, first[None]))
+        depth = depth + walking.long()
+        winner = torch.where(walking, first, winner)
+    # the end node: the winner's row at `depth`, its residual, or past depth k its bonus law
+    end_p, end_q = laws.at(winner, depth)
+    rest = (end_p - end_c * end_q).clamp_min(0)  # [V]
+    law = torch.where(depth < k, residual(end_p, end_q, end_c, rest.sum()), end_p)
     token = sampling.sample_at(law.log(), u[-1])
     path = torch.cat([drafts.index_select(0, winner[None])[0], token[None]])  # [k + 1]
     path = torch.where(torch.arange(k + 1, device=path.device) == depth, token, path)
     return path, depth, winner
 
 
-def walk(
-    drafts: torch.Tensor, ratio: torch.Tensor, u: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The accept tests of the tree, depth by depth, on the device. drafts [N, k];
-    ratio [N, N, k]: r_m(x) / q(x) of draft j's token at depth d after m rejections there;
-    u [k, N]. At each depth the alive drafts are tested in order and the first that passes is
-    kept: a draft preceded by m alive ones is tested only if those m were rejected, so after
-    exactly m rejections. Returns (depth reached [], the row of the last kept draft [] (0 if
-    none), the rejections at the end node [])."""
-    n, k = drafts.shape
-    alive = torch.ones(n, dtype=torch.bool, device=drafts.device)  # [N] drafts on the path
-    walking = torch.ones((), dtype=torch.bool, device=drafts.device)
-    depth = torch.zeros((), dtype=torch.long, device=drafts.device)
-    winner, rejected = torch.zeros_like(depth), torch.zeros_like(depth)
-    for d in range(k):
-        ahead = alive.long().cumsum(0) - alive.long()  # [N] alive drafts tested before each
-        pass_ = alive & (u[d] < ratio[:, :, d].gather(0, ahead[None])[0])  # [N]
-        kept = pass_.any()
-        first = pass_.long().argmax()  # the first that passes (argmax takes the first maximum)
-        rejected = torch.where(walking & ~kept, alive.long().sum(), rejected)
-        walking = walking & kept
-        token = drafts[:, d].gather(0, first[None])  # [1]
-        alive = alive & (drafts[:, d] == token)
-        depth = depth + walking.long()
-        winner = torch.where(walking, first, winner)
-    return depth, winner, rejected
+class _NodeLaws:
+    """The target's and the draft's laws at one node of the tree, as float64 probabilities."""
+
+    def __init__(self, logp: torch.Tensor, logq: torch.Tensor) -> None:
+        n, width, _ = logp.shape  # width = k + 1
+        self.k = width - 1
+        self.logp = logp.reshape(n * width, -1)  # [N (k + 1), V]
+        self.logq = logq.reshape(n * self.k, -1)  # [N k, V]
+
+    def at(self, row: torch.Tensor, depth: torch.Tensor | int) -> tuple[torch.Tensor, ...]:
+        """(p, q) [V] each after row's first `depth` drafts (device scalars); past depth k,
+        q is the last depth's (unused: there is no draft to test)."""
+        at_q = depth.clamp(max=self.k - 1) if torch.is_tensor(depth) else min(depth, self.k - 1)
+        p = self.logp.index_select(0, (row * (self.k + 1) + depth)[None])[0]
+        q = self.logq.index_select(0, (row * self.k + at_q)[None])[0]
+        return p.to(torch.float64).exp_(), q.to(torch.float64).exp_()
 
 
 def _score(

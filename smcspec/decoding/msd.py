@@ -29,9 +29,9 @@ next depth's alive drafts are exactly those that drew it, i.i.d. from q given th
 The residual after m rejections at a node, r_m = (p - c_m q)+ / S_m with c_0 = 0, S_m =
 sum (p - c_m q)+ and c_{m+1} = c_m + S_m, does not depend on which tokens were rejected, so
 `residual_scales` computes it at a node in N passes over the vocabulary, and the tests of a
-depth run at once.
-Rows alive at a node share its prefix, so their laws there are one p and one q; each draft's
-test reads its own row's (equal up to rounding, and its token always has q > 0 there).
+depth run at once. Rows alive at a node share its prefix, so their laws there are one p and one
+q; each draft's test reads its own row's p(x) and q(x) (equal up to rounding, and q(x) > 0 for
+the token its row drew).
 """
 
 from __future__ import annotations

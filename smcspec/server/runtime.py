@@ -143,6 +143,7 @@ class Server:
             (llm.target, llm.draft), limits.max_running, limits.max_batch_tokens
         )
         self.metrics = ServerMetrics(self.scheduler, defaults.model_name)
+        self._limits = self._built_limits()
         self.context_length = llm.target.context_length
         self.created = int(time.time())
         self.draining = False  # set on shutdown: new requests get a 503
@@ -152,7 +153,12 @@ class Server:
     def limits(self) -> dict[str, Any]:
         """What the server runs within, as /health reports it: the scheduler's limits, the KV
         pool as built (pages each model's pool holds, the smaller if they differ, and positions
-        a page; None without a paged pool: the hf backend), the HTTP limits."""
+        a page; None without a paged pool: the hf backend), the HTTP limits. Read once at start:
+        none of them changes while the server runs, and /health must answer even when the
+        scheduler has died."""
+        return dict(self._limits)
+
+    def _built_limits(self) -> dict[str, Any]:
         s, http = self.scheduler, self.defaults.http
         pools = [(s.capacity(i), s.page_size(i)) for i in range(len(s.models))]
         pages, size = min((p for p in pools if p[0] is not None), default=(None, None))

@@ -5,26 +5,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
-from pathlib import Path
 
 import torch
 
-
-def drain() -> None:
-    """Wait for queued GPU work before reading a clock: CUDA calls return before their kernels
-    run, so a clock read without it times the launches. A no-op without CUDA."""
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+from smcspec.engine.costs import cpu_model as cpu_model
+from smcspec.engine.costs import drain as drain
 
 
 def describe(precision: str, device: str = "cpu") -> dict:

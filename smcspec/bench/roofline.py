@@ -16,37 +16,14 @@ Both are set beside the end-to-end speed-up, measured or read from a `bench spee
 from __future__ import annotations
 
 import statistics
-import time
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from smcspec.bench import machine
 from smcspec.bench.report import decode_rate
 from smcspec.bench.results import measurements
 from smcspec.config import SamplingConfig
-from smcspec.engine import start_cache
-
-
-def time_forward(model, context: list[int], batch: int, new_tokens: int, reps: int) -> float:
-    """Median seconds of one forward of `new_tokens` tokens per row at `batch` rows, on a cache
-    holding `context` (cropped back after each timing, so every rep sees the same context)."""
-    cache = start_cache(model, torch.tensor(context), rows=batch)
-    model.forward(torch.tensor([context[-1:]] * batch), cache, 1)  # cache now holds the context
-    length = cache.length
-    tokens = torch.tensor([context[-new_tokens:]] * batch)
-    times = []
-    for _ in range(reps + 1):
-        machine.drain()
-        start = time.perf_counter()
-        model.forward(tokens, cache, new_tokens)
-        machine.drain()
-        times.append(time.perf_counter() - start)
-        cache.crop(length)
-    cache.release()
-    return statistics.median(times[1:])  # the first is a warm-up
-
+from smcspec.engine.costs import time_forward
 
 Row = tuple[str, int, int]  # (method, N, K): ("smc", N, K) or ("sd", 1, K)
 

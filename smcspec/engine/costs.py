@@ -1,0 +1,388 @@
+"""What a round of each method costs on this machine, and which method decodes fastest.
+
+Costs. `StepCosts` holds, for one (target, draft) pair on one machine, the measured seconds of a
+target pass by (rows, tokens per row) and of a draft step by rows, and a fit of each:
+    t_target(rows, tokens) = c_t + b_t rows tokens,        t_draft(rows) = c_d + b_d rows.
+Affine in the positions a pass carries: the fixed part is what every pass pays whatever its
+width (reading the weights once, the launches, Python), the slope what each position adds (its
+share of the matmuls and of attention over the context). On a memory-bound device the slope is
+near 0 (the paper's model: a wide pass costs a narrow one's time); on a CPU it dominates. Both
+regimes are one straight line, and two numbers per model extrapolate off the grid without
+inventing a shape the measurements do not show. A shape that was measured is priced by its own
+measurement (a GPU's costs step at tile sizes, which no line follows); the fit prices the rest.
+`profile` measures the grid once per pair, dtype, device, torch threads and machine and caches
+it as JSON; `refresh` blends a request's own round times in.
+
+Prediction. A round of each method, at sd's acceptance probability a = sum_x min(p, q)(x):
+    ar:         1 token                                    cost t_target(1, 1)
+    sd(K):      (1 - a^(K+1)) / (1 - a) tokens (a = 1: K+1)      K t_draft(1) + t_target(1, K+1)
+    msd(N, K):  1 + sum_{d=1..K} P(the walk passes depth d)      K t_draft(N) + t_target(N, K+1)
+    smc(N, K):  K + 1 tokens                                     K t_draft(N) + t_target(N, K+1)
+sd: drafts are accepted one after another, each w.p. a, until the first rejection; the round
+commits the accepted ones plus one token (the residual's draw or the bonus), so
+E[tokens] = sum_{d=0..K} a^d.
+
+msd is priced in the case where its walk is exactly this model: a target law that is a point
+mass x* at every node (greedy decoding, or a confident target), so a = q(x*). A draft is then
+accepted exactly when its token is x* (r(x) = 0 elsewhere, and the residual stays on x* after a
+rejection), which happens w.p. a, independently across drafts and depths. A node with m drafts
+alive passes w.p. 1 - (1 - a)^m, and the drafts alive one level deeper are those that drew x*:
+Binomial(m, a), given at least one. A recursion over the alive count gives P(pass depth d); at
+N = 1 it is sd's a^d. For other laws the real walk differs both ways: once a draft is rejected
+the next is tested against the residual, which accepts w.p. sum min(r, q), not a (higher when
+the residual sits where q has mass; lower when it does not: p = (1/2, 1/2), q = (1, 0) has
+a = 1/2 and then 0, so 1 - (1 - a)^m is not a bound in general); and drafts accepted at a node
+need not share a token, while only those that drew the accepted one stay alive (fewer than here).
+
+smc's prediction does not depend on a (it always commits K + 1 tokens) nor grows with N (more
+rows only cost more): what N buys is the estimate's quality, which `choose` leaves to the grid
+(a smallest N for a potential is set there).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import platform
+import statistics
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from smcspec.config import ARConfig, DecodingConfig, MSDConfig, SDConfig, SMCConfig
+from smcspec.decoding.base import start_cache
+from smcspec.engine.loading import cache_root
+from smcspec.models.base import CausalLM
+
+# A request's round time is one sample on a machine whose passes jitter by 10-30% (other work
+# shares the cores), against the profile's medians of several: a quarter of the weight lets a
+# lasting change take over within a few rounds (half of the old figure is gone after 2.4) while
+# one slow round moves the estimate by a quarter of its excess only.
+REFRESH_WEIGHT = 0.25
+
+Fit = tuple[float, float]  # seconds: (fixed per pass, per position or per row)
+
+
+def drain() -> None:
+    """Wait for queued GPU work before reading a clock: CUDA calls return before their kernels
+    run, so a clock read without it times the launches. A no-op without CUDA."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def time_forward(model, context: list[int], batch: int, new_tokens: int, reps: int) -> float:
+    """Median seconds of one forward of `new_tokens` tokens per row at `batch` rows, on a cache
+    holding `context` (cropped back after each timing, so every rep sees the same context)."""
+    cache = start_cache(model, torch.tensor(context), rows=batch)
+    model.forward(torch.tensor([context[-1:]] * batch), cache, 1)  # cache now holds the context
+    length = cache.length
+    tokens = torch.tensor([context[-new_tokens:]] * batch)
+    times = []
+    for _ in range(reps + 1):
+        drain()
+        start = time.perf_counter()
+        model.forward(tokens, cache, new_tokens)
+        drain()
+        times.append(time.perf_counter() - start)
+        cache.crop(length)
+    cache.release()
+    return statistics.median(times[1:])  # the first is a warm-up
+
+
+def fit_affine(points: Iterable[tuple[float, float]]) -> Fit:
+    """(c, b) of t = c + b x over (x, t) points, by least squares in relative error
+    (sum ((c + b x - t) / t)^2): the points span an order of magnitude, and an absolute fit would
+    let the widest passes decide the narrow ones' price. Neither is let go below 0 (a slope of
+    noise on a flat device is 0, not a pass getting cheaper as it widens)."""
+    pts = [(float(x), float(t)) for x, t in points]
+    if not pts or any(t <= 0 for _, t in pts):
+        raise ValueError("fit_affine needs points with positive times")
+    w = [1 / (t * t) for _, t in pts]
+    sw = sum(w)
+    swx = sum(wi * x for wi, (x, _) in zip(w, pts, strict=True))
+    swxx = sum(wi * x * x for wi, (x, _) in zip(w, pts, strict=True))
+    swt = sum(wi * t for wi, (_, t) in zip(w, pts, strict=True))
+    swxt = sum(wi * x * t for wi, (x, t) in zip(w, pts, strict=True))
+    det = sw * swxx - swx * swx
+    if det <= 1e-12 * sw * swxx:  # one x only: no slope to see
+        return swt / sw, 0.0
+    c, b = (swxx * swt - swx * swxt) / det, (sw * swxt - swx * swt) / det
+    if b < 0:
+        return swt / sw, 0.0
+    if c < 0:
+        return 0.0, swxt / swxx
+    return c, b
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Seconds of a target pass by (rows, tokens per row) and of a draft step by rows, for the
+    pair and machine `key` names. A measured shape is priced by its measurement (`target_seen`,
+    `draft_seen`), any other by the fit (see the module docstring)."""
+
+    target_fit: Fit
+    draft_fit: Fit
+    target_seen: Mapping[tuple[int, int], float] = field(default_factory=dict)
+    draft_seen: Mapping[int, float] = field(default_factory=dict)
+    key: Mapping[str, Any] = field(default_factory=dict)
+
+    def target(self, rows: int, tokens: int) -> float:
+        seen = self.target_seen.get((rows, tokens))
+        return seen if seen is not None else self.target_fit[0] + self.target_fit[1] * rows * tokens
+
+    def draft(self, rows: int) -> float:
+        seen = self.draft_seen.get(rows)
+        return seen if seen is not None else self.draft_fit[0] + self.draft_fit[1] * rows
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "key": dict(self.key),
+            "target_fit": list(self.target_fit),
+            "draft_fit": list(self.draft_fit),
+            "target_seen": [[r, t, s] for (r, t), s in sorted(self.target_seen.items())],
+            "draft_seen": [[r, s] for r, s in sorted(self.draft_seen.items())],
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> StepCosts:
+        return cls(
+            target_fit=tuple(data["target_fit"]),
+            draft_fit=tuple(data["draft_fit"]),
+            target_seen={(int(r), int(t)): float(s) for r, t, s in data["target_seen"]},
+            draft_seen={int(r): float(s) for r, s in data["draft_seen"]},
+            key=dict(data["key"]),
+        )
+
+
+def from_measurements(
+    target_seen: Mapping[tuple[int, int], float],
+    draft_seen: Mapping[int, float],
+    key: Mapping[str, Any] | None = None,
+) -> StepCosts:
+    """StepCosts from measured shapes, each model's line fitted to its own points."""
+    return StepCosts(
+        target_fit=fit_affine((r * t, s) for (r, t), s in target_seen.items()),
+        draft_fit=fit_affine(draft_seen.items()),
+        target_seen=dict(target_seen),
+        draft_seen=dict(draft_seen),
+        key=dict(key or {}),
+    )
+
+
+def cache_key(llm) -> dict[str, Any]:
+    """What the costs depend on: the pair, its dtype and device, the torch threads the passes run
+    on, and the machine (the GPU's name on a GPU, else the CPU's model)."""
+    device = torch.device(llm.target.device)
+    gpu = device.type == "cuda"
+    return {
+        "target": llm.names[0],
+        "draft": llm.names[1],
+        "dtype": str(llm.dtype),
+        "device": str(device),
+        "torch_threads": torch.get_num_threads(),
+        "machine": torch.cuda.get_device_name(device) if gpu else cpu_model(),
+    }
+
+
+def cache_path(key: Mapping[str, Any], cache_dir: str | Path | None = None) -> Path:
+    digest = hashlib.sha256(json.dumps(dict(key), sort_keys=True).encode()).hexdigest()
+    return cache_root(cache_dir) / "costs" / f"{digest[:20]}.json"
+
+
+def save(costs: StepCosts, cache_dir: str | Path | None = None) -> Path:
+    path = cache_path(costs.key, cache_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(costs.to_json(), indent=1))
+    partial.replace(path)  # a reader never sees half a file
+    return path
+
+
+def load(key: Mapping[str, Any], cache_dir: str | Path | None = None) -> StepCosts | None:
+    """The costs cached under `key`, or None (none cached, or a file unreadable: profiled anew)."""
+    path = cache_path(key, cache_dir)
+    try:
+        costs = StepCosts.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return costs if costs.key == dict(key) else None
+
+
+def measure(
+    target: CausalLM,
+    draft: CausalLM,
+    rows: Sequence[int] = (1, 2, 4, 8),
+    max_draft_tokens: int = 8,
+    context: int = 128,
+    reps: int = 3,
+    key: Mapping[str, Any] | None = None,
+) -> StepCosts:
+    """Median timings of the target at every (rows, 1..K+1 tokens) and of the draft's one-token
+    step at every rows, over a cache holding `context` positions, fitted."""
+    for name, value in (("max_draft_tokens", max_draft_tokens), ("reps", reps)):
+        if not (isinstance(value, int) and value >= 1):
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if not rows or not all(isinstance(r, int) and r >= 1 for r in rows):
+        raise ValueError(f"rows must be integers >= 1, got {rows!r}")
+    if not (isinstance(context, int) and context > max_draft_tokens + 1):
+        raise ValueError(f"context must be an integer > max_draft_tokens + 1, got {context!r}")
+    ids = [i % target.vocab_size for i in range(context)]
+    target_seen = {
+        (r, t): time_forward(target, ids, r, t, reps)
+        for r in rows
+        for t in range(1, max_draft_tokens + 2)
+    }
+    draft_seen = {r: time_forward(draft, ids, r, 1, reps) for r in rows}
+    return from_measurements(target_seen, draft_seen, key)
+
+
+def profile(
+    llm,
+    rows: Sequence[int] = (1, 2, 4, 8),
+    max_draft_tokens: int = 8,
+    context: int = 128,
+    reps: int = 3,
+    cache_dir: str | Path | None = None,
+    reuse: bool = True,
+) -> StepCosts:
+    """The pair's step costs on this machine: the cached ones when present (and `reuse`), else
+    measured (`measure`) and cached."""
+    key = cache_key(llm)
+    cached = load(key, cache_dir) if reuse else None
+    if cached is not None:
+        return cached
+    costs = measure(llm.target, llm.draft, rows, max_draft_tokens, context, reps, key)
+    save(costs, cache_dir)
+    return costs
+
+
+class RoundTimes(NamedTuple):
+    """A request's own timings over `rounds` rounds at `rows` rows and `draft_tokens` (K; 0 for
+    ar): the seconds its draft steps took in all, and its target passes."""
+
+    rows: int
+    draft_tokens: int
+    rounds: int
+    draft_seconds: float
+    target_seconds: float
+
+
+def refresh(costs: StepCosts, observed: RoundTimes, weight: float = REFRESH_WEIGHT) -> StepCosts:
+    """costs with the observed shapes' prices moved a `weight` of the way to what the request
+    measured (an exponential average over the refreshes): the target pass at (rows, K + 1), the
+    draft step at rows."""
+    rows, k, rounds = observed.rows, observed.draft_tokens, observed.rounds
+    if not (rows >= 1 and k >= 0 and rounds >= 1):
+        raise ValueError(f"observed needs rows >= 1, draft_tokens >= 0, rounds >= 1: {observed}")
+    if not 0 < weight <= 1:
+        raise ValueError(f"weight must be in (0, 1], got {weight!r}")
+    target_seen = dict(costs.target_seen)
+    pass_seconds = observed.target_seconds / rounds
+    target_seen[(rows, k + 1)] = (1 - weight) * costs.target(rows, k + 1) + weight * pass_seconds
+    draft_seen = dict(costs.draft_seen)
+    if k > 0:
+        step_seconds = observed.draft_seconds / (rounds * k)
+        draft_seen[rows] = (1 - weight) * costs.draft(rows) + weight * step_seconds
+    return replace(costs, target_seen=target_seen, draft_seen=draft_seen)
+
+
+def sd_tokens_per_round(a: float, k: int) -> float:
+    """E[tokens] of an sd round: sum_{d=0..K} a^d."""
+    return k + 1.0 if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
+
+
+def msd_tokens_per_round(a: float, n: int, k: int) -> float:
+    """E[tokens] of an msd round with N drafts of K tokens, each draft's token the target's w.p.
+    a independently (the module docstring's model): 1 + sum_d P(pass depth d)."""
+    alive = [0.0] * n + [1.0]  # alive[m]: P(the walk reached this depth with m drafts alive)
+    tokens = 1.0  # the round's last token: the residual's draw or the bonus
+    for _ in range(k):
+        deeper = [0.0] * (n + 1)
+        for m, reached in enumerate(alive):
+            for s in range(1, m + 1):  # s of the m drew the target's token
+                deeper[s] += reached * math.comb(m, s) * a**s * (1 - a) ** (m - s)
+        alive = deeper
+        tokens += sum(alive)
+    return tokens
+
+
+def round_cost(
+    method: str, config: DecodingConfig, a: float, costs: StepCosts
+) -> tuple[float, float]:
+    """(expected tokens, seconds) of one round of `method` at acceptance probability a."""
+    if not (isinstance(a, int | float) and 0 <= a <= 1):
+        raise ValueError(f"a (the acceptance probability) must be in [0, 1], got {a!r}")
+    expected = {"ar": ARConfig, "sd": SDConfig, "msd": MSDConfig, "smc": SMCConfig}.get(method)
+    if expected is None or not isinstance(config, expected):
+        raise ValueError(f"no prediction for method {method!r} with {config!r}")
+    if isinstance(config, ARConfig):
+        return 1.0, costs.target(1, 1)
+    k = config.draft_tokens
+    n = 1 if isinstance(config, SDConfig) else config.particles
+    seconds = k * costs.draft(n) + costs.target(n, k + 1)
+    if isinstance(config, SDConfig):
+        return sd_tokens_per_round(a, k), seconds
+    if isinstance(config, MSDConfig):
+        return msd_tokens_per_round(a, n, k), seconds
+    return k + 1.0, seconds
+
+
+def predict(method: str, config: DecodingConfig, a: float, costs: StepCosts) -> float:
+    """Predicted tokens per second of `method` under `config` at acceptance probability a."""
+    tokens, seconds = round_cost(method, config, a, costs)
+    return tokens / seconds
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The settings `choose` weighs: sd at each K; msd and smc at each (N, K)."""
+
+    draft_tokens: tuple[int, ...] = tuple(range(1, 9))
+    msd_particles: tuple[int, ...] = (2, 4, 8)
+    smc_particles: tuple[int, ...] = (2, 4, 8)
+
+
+def candidates(
+    exact: bool = True, has_potential: bool = False, grid: Grid = Grid()
+) -> list[tuple[str, DecodingConfig]]:
+    """Simplest first (ar, sd, msd, smc), so that a tie goes to the simpler setting. A potential
+    needs smc (the others cannot sample p phi / Z); smc is approximate, so only when not exact."""
+    ks = grid.draft_tokens
+    smc: list[tuple[str, DecodingConfig]] = [
+        ("smc", SMCConfig(particles=n, draft_tokens=k)) for n in grid.smc_particles for k in ks
+    ]
+    if has_potential:
+        return smc
+    out: list[tuple[str, DecodingConfig]] = [("ar", ARConfig())]
+    out += [("sd", SDConfig(draft_tokens=k)) for k in ks]
+    out += [("msd", MSDConfig(particles=n, draft_tokens=k)) for n in grid.msd_particles for k in ks]
+    return out if exact else out + smc
+
+
+def choose(
+    a: float,
+    costs: StepCosts,
+    exact: bool = True,
+    has_potential: bool = False,
+    grid: Grid = Grid(),
+) -> tuple[str, DecodingConfig]:
+    """The (method, config) of highest predicted tokens/s among `candidates`."""
+    options = candidates(exact, has_potential, grid)
+    if not options:
+        raise ValueError("the grid leaves no setting to choose from")
+    return max(options, key=lambda option: predict(option[0], option[1], a, costs))

@@ -1,0 +1,193 @@
+"""The cost model and the chooser: the round formulas against exact enumeration and a Monte Carlo
+of the tree walk, the choices they lead to, the cache, and a profile of the tiny native pair."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from smcspec.config import ARConfig, MSDConfig, SDConfig, SMCConfig
+from smcspec.engine import LLM
+from smcspec.engine import costs as cm
+
+
+def flat_costs(
+    target_fixed: float, target_per_position: float, draft_fixed: float, draft_per_row: float
+) -> cm.StepCosts:
+    return cm.StepCosts(
+        target_fit=(target_fixed, target_per_position), draft_fit=(draft_fixed, draft_per_row)
+    )
+
+
+def enumerated_sd_tokens(a: float, k: int) -> float:
+    """E[tokens] of an sd round by summing over every accept/reject pattern of K positions, each
+    accepted w.p. a independently: the round keeps drafts up to the first rejection, plus one."""
+    total = 0.0
+    for pattern in itertools.product((True, False), repeat=k):
+        prob = math.prod(a if ok else 1 - a for ok in pattern)
+        accepted = next((i for i, ok in enumerate(pattern) if not ok), k)
+        total += prob * (accepted + 1)
+    return total
+
+
+@pytest.mark.parametrize("a", [0.0, 0.3, 0.7, 0.95, 1.0])
+def test_sd_tokens_per_round_is_the_accepted_lengths_mean(a):
+    costs = flat_costs(1.0, 0.0, 0.0, 0.0)  # a round costs 1 s: tokens/s is tokens per round
+    for k in range(1, 7):
+        want = enumerated_sd_tokens(a, k)
+        assert cm.sd_tokens_per_round(a, k) == pytest.approx(want, abs=1e-12)
+        assert cm.predict("sd", SDConfig(draft_tokens=k), a, costs) == pytest.approx(want)
+
+
+def walked_tokens(p: list[float], q: list[float], n: int, k: int, rng: random.Random) -> int:
+    """One msd round's committed tokens, by SpecInfer's walk (the test's own, from the issue's
+    text) over N drafts of K tokens drawn from q, with the same laws p and q at every node."""
+    drafts = [rng.choices(range(len(q)), q, k=k) for _ in range(n)]
+    alive, depth = list(range(n)), 0
+    while depth < k:
+        r, accepted = list(p), None
+        for j in alive:
+            x = drafts[j][depth]
+            if rng.random() < min(1.0, r[x] / q[x]):
+                accepted = x
+                break
+            r = [max(ri - qi, 0.0) for ri, qi in zip(r, q, strict=True)]
+            r = [ri / sum(r) for ri in r]
+        if accepted is None:
+            break
+        alive = [j for j in alive if drafts[j][depth] == accepted]
+        depth += 1
+    return depth + 1
+
+
+@pytest.mark.parametrize(("n", "k", "a"), [(2, 4, 0.5), (4, 4, 0.3), (8, 3, 0.15), (4, 6, 0.7)])
+def test_msd_tokens_per_round_matches_the_walk_for_a_point_mass_target(n, k, a):
+    """A point-mass target (p = delta_0, q(0) = a) is where the model is exact: the walk's mean
+    over 10,000 rounds must agree within 5 standard errors."""
+    rng = random.Random(1000 * n + k)
+    p, q = [1.0, 0.0, 0.0], [a, (1 - a) / 2, (1 - a) / 2]
+    tokens = [walked_tokens(p, q, n, k, rng) for _ in range(10_000)]
+    mean = sum(tokens) / len(tokens)
+    sd = math.sqrt(sum((t - mean) ** 2 for t in tokens) / (len(tokens) - 1))
+    assert abs(cm.msd_tokens_per_round(a, n, k) - mean) < 5 * sd / math.sqrt(len(tokens))
+
+
+def test_msd_with_one_draft_is_sd():
+    for a, k in itertools.product((0.0, 0.4, 0.9, 1.0), (1, 3, 8)):
+        assert cm.msd_tokens_per_round(a, 1, k) == pytest.approx(cm.sd_tokens_per_round(a, k))
+
+
+@pytest.mark.parametrize("a", [0.2, 0.6, 0.95])
+def test_choose_takes_ar_when_a_draft_step_costs_a_target_pass(a):
+    costs = flat_costs(1.0, 0.0, 1.0, 0.0)
+    assert cm.choose(a, costs) == ("ar", ARConfig())
+
+
+def test_choose_takes_sd_with_longer_drafts_as_acceptance_nears_one():
+    # a compute-bound target (a position adds a tenth of a one-token pass), a draft step at 5%
+    # of it per row: a second row costs as much as it brings
+    costs = flat_costs(1.0, 0.1, 0.0, 0.05)
+    chosen = [cm.choose(a, costs) for a in (0.5, 0.7, 0.9, 0.99)]
+    assert all(method == "sd" for method, _ in chosen), chosen
+    ks = [config.draft_tokens for _, config in chosen]
+    assert ks == sorted(ks) and ks[0] < ks[-1], ks
+
+
+def test_choose_takes_msd_over_sd_when_acceptance_is_low_and_rows_are_nearly_free():
+    costs = flat_costs(1.0, 1e-4, 0.1, 1e-4)
+    method, config = cm.choose(0.3, costs)
+    assert method == "msd" and config.particles > 1, (method, config)
+    assert cm.predict(method, config, 0.3, costs) > max(
+        cm.predict("sd", SDConfig(draft_tokens=k), 0.3, costs) for k in range(1, 9)
+    )
+
+
+def test_choose_takes_smc_only_when_allowed():
+    costs = flat_costs(1.0, 1e-4, 0.1, 1e-4)  # smc's K + 1 tokens a round win at a = 0.3
+    assert cm.choose(0.3, costs, exact=True)[0] != "smc"
+    assert cm.choose(0.3, costs, exact=False)[0] == "smc"
+    # a potential: smc whatever exact says, even where ar is fastest
+    expensive_draft = flat_costs(1.0, 0.0, 1.0, 0.0)
+    method, config = cm.choose(0.9, expensive_draft, has_potential=True)
+    assert method == "smc" and isinstance(config, SMCConfig)
+
+
+def test_predict_refuses_a_bad_acceptance_or_a_config_of_another_method():
+    costs = flat_costs(1.0, 0.0, 0.1, 0.0)
+    with pytest.raises(ValueError, match="acceptance"):
+        cm.predict("sd", SDConfig(), 1.5, costs)
+    with pytest.raises(ValueError, match="'sd'"):
+        cm.predict("sd", MSDConfig(), 0.5, costs)
+
+
+def test_fit_affine_recovers_a_line_and_never_goes_negative():
+    c, b = cm.fit_affine([(x, 0.5 + 0.1 * x) for x in (1, 2, 4, 8)])
+    assert (c, b) == (pytest.approx(0.5), pytest.approx(0.1))
+    assert cm.fit_affine([(1, 1.0), (8, 0.9)])[1] == 0.0  # noise on a flat device: no slope
+
+
+def test_measured_shapes_are_priced_by_their_measurement_others_by_the_fit():
+    costs = cm.from_measurements({(1, 1): 1.0, (2, 2): 1.4, (4, 2): 2.0}, {1: 0.1, 2: 0.12})
+    assert costs.target(2, 2) == 1.4
+    c, b = costs.target_fit
+    assert costs.target(8, 4) == pytest.approx(c + 32 * b)
+
+
+def test_refresh_moves_the_observed_shapes_a_quarter_of_the_way():
+    costs = flat_costs(1.0, 0.0, 0.1, 0.0)
+    seen = cm.RoundTimes(rows=2, draft_tokens=4, rounds=10, draft_seconds=8.0, target_seconds=30.0)
+    new = cm.refresh(costs, seen)
+    assert new.target(2, 5) == pytest.approx(0.75 * 1.0 + 0.25 * 3.0)  # 3 s a pass
+    assert new.draft(2) == pytest.approx(0.75 * 0.1 + 0.25 * 0.2)  # 0.2 s a step
+    assert new.target(1, 5) == 1.0 and new.draft(1) == 0.1  # other shapes: as they were
+    for _ in range(60):
+        new = cm.refresh(new, seen)
+    assert new.target(2, 5) == pytest.approx(3.0)
+
+
+def test_the_cache_round_trips_and_a_thread_count_is_part_of_its_key(tmp_path):
+    key = {"target": "t", "draft": "d", "dtype": "float32", "device": "cpu", "torch_threads": 1}
+    costs = cm.from_measurements({(1, 1): 1.0, (2, 2): 1.5}, {1: 0.1, 2: 0.15}, key)
+    path = cm.save(costs, tmp_path)
+    assert cm.load(key, tmp_path) == costs
+    other = {**key, "torch_threads": 2}
+    assert cm.cache_path(other, tmp_path) != path and cm.load(other, tmp_path) is None
+    path.write_text("{not json")
+    assert cm.load(key, tmp_path) is None
+
+
+def test_cache_key_names_the_threads_and_the_machine():
+    llm = SimpleNamespace(names=("t", "d"), dtype="int8", target=SimpleNamespace(device="cpu"))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cm.cache_key(llm)
+        torch.set_num_threads(2)
+        two = cm.cache_key(llm)
+    finally:
+        torch.set_num_threads(before)
+    assert one != two and one["machine"] == cm.cpu_model()
+
+
+def test_profile_measures_the_tiny_native_pair_once(
+    tiny_llama_folder, tiny_llama_draft_folder, tmp_path
+):
+    llm = LLM(
+        str(tiny_llama_folder), str(tiny_llama_draft_folder), backend="native", dtype="float32"
+    )
+    start = time.perf_counter()
+    costs = cm.profile(llm, rows=(1, 2), max_draft_tokens=2, context=16, reps=1, cache_dir=tmp_path)
+    assert time.perf_counter() - start < 10
+    assert set(costs.target_seen) == {(r, t) for r in (1, 2) for t in (1, 2, 3)}
+    assert set(costs.draft_seen) == {1, 2}
+    every = [*costs.target_seen.values(), *costs.draft_seen.values(), costs.target(8, 9)]
+    assert all(math.isfinite(s) and s > 0 for s in every), every
+    assert costs.key == cm.cache_key(llm)
+    # measured once: the second call reads the cache (timed anew, no two medians would agree)
+    assert cm.profile(llm, rows=(1,), max_draft_tokens=1, context=16, cache_dir=tmp_path) == costs

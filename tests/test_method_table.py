@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 from smcspec import LLM, cli, cli_generate
 from smcspec.config import SDConfig, SMCConfig
 from smcspec.decoding import SpeculativeDecoder, methods
+from smcspec.decoding.round_tokens import sd_tokens_per_round
 from smcspec.server.app import ServeDefaults, create_app
 
 
@@ -44,6 +45,7 @@ def fake_method(monkeypatch):
         decoder,
         kv_rows=lambda config: (1, 1),
         lookahead=lambda config: config.draft_tokens,
+        tokens_per_round=lambda config, a: sd_tokens_per_round(a, config.draft_tokens),
         potentials=False,
         summary="a test's method",
     )

@@ -3,9 +3,11 @@
 A row names the method, its settings class (a frozen dataclass of `smcspec.config`; a config's
 type is what picks its method), the decoder that runs it, the KV rows one request keeps in the
 target's and the draft's caches, the draft tokens a round can write past the last committed one
-(the room a request reserves beyond its new tokens), and whether it takes potentials (samples
-p(x) phi(x) / Z, or applies them locally as ar does). The engine, the command line, the server's
-schema and the benchmarks all read these rows, so a new method is one row here plus its decoder.
+(the room a request reserves beyond its new tokens), the tokens a round commits in expectation
+at sd's acceptance probability a (what `engine.costs` prices a round by), and whether it takes
+potentials (samples p(x) phi(x) / Z, or applies them locally as ar does). The engine, the
+command line, the server's schema and the benchmarks all read these rows, so a new method is one
+row here plus its decoder.
 
 `configs_from_fields` is the one converter from loose settings (a mapping of field names, as
 `generate`'s keywords, the CLI's flags and an HTTP body spell them) to the typed
@@ -32,6 +34,7 @@ from smcspec.config import (
 from smcspec.decoding.autoregressive import AutoregressiveDecoder
 from smcspec.decoding.base import Decoder
 from smcspec.decoding.msd import MultiDraftDecoder
+from smcspec.decoding.round_tokens import msd_tokens_per_round, sd_tokens_per_round
 from smcspec.decoding.smc import SMCDecoder
 from smcspec.decoding.speculative import SpeculativeDecoder
 from smcspec.models.base import CausalLM
@@ -45,14 +48,16 @@ MakeDecoder = Callable[[CausalLM, CausalLM, Any, Potential | None], Decoder]
 class Method:
     """One decoding method. `kv_rows(config)`: the sequences a request keeps in the target's and
     the draft's KV cache; `lookahead(config)`: draft tokens a round writes past the last committed
-    token; `potentials`: whether a potential may be given (sd samples p exactly by rejection and
-    cannot take one)."""
+    token; `tokens_per_round(config, a)`: the tokens a round commits in expectation at acceptance
+    probability a (see `round_tokens`); `potentials`: whether a potential may be given (sd
+    samples p exactly by rejection and cannot take one)."""
 
     name: str
     config: type
     decoder: MakeDecoder
     kv_rows: Callable[[Any], tuple[int, int]]
     lookahead: Callable[[Any], int]
+    tokens_per_round: Callable[[Any, float], float]
     potentials: bool
     summary: str
 
@@ -71,6 +76,7 @@ TABLE: dict[str, Method] = {
             lambda target, draft, config, potential: AutoregressiveDecoder(target, potential),
             kv_rows=lambda config: (1, 0),
             lookahead=lambda config: 0,
+            tokens_per_round=lambda config, a: 1.0,
             potentials=True,
             summary="autoregressive: one target step per token, the reference",
         ),
@@ -80,6 +86,7 @@ TABLE: dict[str, Method] = {
             lambda target, draft, config, potential: SpeculativeDecoder(target, draft, config),
             kv_rows=lambda config: (1, 1),
             lookahead=lambda config: config.draft_tokens,
+            tokens_per_round=lambda config, a: sd_tokens_per_round(a, config.draft_tokens),
             potentials=False,
             summary="speculative decoding: K draft tokens a round, exact by rejection sampling",
         ),
@@ -89,6 +96,7 @@ TABLE: dict[str, Method] = {
             lambda target, draft, config, potential: SMCDecoder(target, draft, config, potential),
             kv_rows=lambda config: (config.particles, config.particles),
             lookahead=lambda config: config.draft_tokens,
+            tokens_per_round=lambda config, a: config.draft_tokens + 1.0,
             potentials=True,
             summary="SMC speculative decoding: N particles of K draft tokens, weighted, resampled",
         ),
@@ -98,6 +106,9 @@ TABLE: dict[str, Method] = {
             lambda target, draft, config, potential: MultiDraftDecoder(target, draft, config),
             kv_rows=lambda config: (config.particles, config.particles),
             lookahead=lambda config: config.draft_tokens,
+            tokens_per_round=lambda config, a: msd_tokens_per_round(
+                a, config.particles, config.draft_tokens
+            ),
             potentials=False,
             summary="multi-draft speculative decoding: N drafts of K tokens a round, exact",
         ),

@@ -13,26 +13,14 @@ measurement (a GPU's costs step at tile sizes, which no line follows); the fit p
 `profile` measures the grid once per pair, dtype, device, torch threads and machine and caches
 it as JSON; `refresh` blends a request's own round times in.
 
-Prediction. A round of each method, at sd's acceptance probability a = sum_x min(p, q)(x):
-    ar:         1 token                                    cost t_target(1, 1)
-    sd(K):      (1 - a^(K+1)) / (1 - a) tokens (a = 1: K+1)      K t_draft(1) + t_target(1, K+1)
-    msd(N, K):  1 + sum_{d=1..K} P(the walk passes depth d)      K t_draft(N) + t_target(N, K+1)
-    smc(N, K):  K + 1 tokens                                     K t_draft(N) + t_target(N, K+1)
-sd: drafts are accepted one after another, each w.p. a, until the first rejection; the round
-commits the accepted ones plus one token (the residual's draw or the bonus), so
-E[tokens] = sum_{d=0..K} a^d.
-
-msd is priced in the case where its walk is exactly this model: a target law that is a point
-mass x* at every node (greedy decoding, or a confident target), so a = q(x*). A draft is then
-accepted exactly when its token is x* (r(x) = 0 elsewhere, and the residual stays on x* after a
-rejection), which happens w.p. a, independently across drafts and depths. A node with m drafts
-alive passes w.p. 1 - (1 - a)^m, and the drafts alive one level deeper are those that drew x*:
-Binomial(m, a), given at least one. A recursion over the alive count gives P(pass depth d); at
-N = 1 it is sd's a^d. For other laws the real walk differs both ways: once a draft is rejected
-the next is tested against the residual, which accepts w.p. sum min(r, q), not a (higher when
-the residual sits where q has mass; lower when it does not: p = (1/2, 1/2), q = (1, 0) has
-a = 1/2 and then 0, so 1 - (1 - a)^m is not a bound in general); and drafts accepted at a node
-need not share a token, while only those that drew the accepted one stay alive (fewer than here).
+Prediction. A round of a method at sd's acceptance probability a = sum_x min(p, q)(x) commits
+the tokens its row of the method table gives (`tokens_per_round`; the formulas and msd's model
+are in `decoding.round_tokens`) and costs K draft steps and one target pass of K + 1 tokens, at
+the rows it keeps (the row's `lookahead` is K, its `kv_rows` the rows):
+    ar:         1 token                                      t_target(1, 1)
+    sd(K):      (1 - a^(K+1)) / (1 - a)                      K t_draft(1) + t_target(1, K+1)
+    msd(N, K):  1 + sum_{d=1..K} P(the walk passes depth d)  K t_draft(N) + t_target(N, K+1)
+    smc(N, K):  K + 1                                        K t_draft(N) + t_target(N, K+1)
 
 smc's prediction does not depend on a (it always commits K + 1 tokens) nor grows with N (more
 rows only cost more): what N buys is the estimate's quality, which `choose` leaves to the grid
@@ -43,7 +31,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import platform
 import statistics
 import time
@@ -56,6 +43,7 @@ import torch
 
 from smcspec.config import ARConfig, DecodingConfig, MSDConfig, SDConfig, SMCConfig
 from smcspec.decoding.base import start_cache
+from smcspec.decoding.methods import method_row
 from smcspec.engine.loading import cache_root
 from smcspec.models.base import CausalLM
 
@@ -301,45 +289,19 @@ def refresh(costs: StepCosts, observed: RoundTimes, weight: float = REFRESH_WEIG
     return replace(costs, target_seen=target_seen, draft_seen=draft_seen)
 
 
-def sd_tokens_per_round(a: float, k: int) -> float:
-    """E[tokens] of an sd round: sum_{d=0..K} a^d."""
-    return k + 1.0 if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
-
-
-def msd_tokens_per_round(a: float, n: int, k: int) -> float:
-    """E[tokens] of an msd round with N drafts of K tokens, each draft's token the target's w.p.
-    a independently (the module docstring's model): 1 + sum_d P(pass depth d)."""
-    alive = [0.0] * n + [1.0]  # alive[m]: P(the walk reached this depth with m drafts alive)
-    tokens = 1.0  # the round's last token: the residual's draw or the bonus
-    for _ in range(k):
-        deeper = [0.0] * (n + 1)
-        for m, reached in enumerate(alive):
-            for s in range(1, m + 1):  # s of the m drew the target's token
-                deeper[s] += reached * math.comb(m, s) * a**s * (1 - a) ** (m - s)
-        alive = deeper
-        tokens += sum(alive)
-    return tokens
-
-
 def round_cost(
     method: str, config: DecodingConfig, a: float, costs: StepCosts
 ) -> tuple[float, float]:
     """(expected tokens, seconds) of one round of `method` at acceptance probability a."""
     if not (isinstance(a, int | float) and 0 <= a <= 1):
         raise ValueError(f"a (the acceptance probability) must be in [0, 1], got {a!r}")
-    expected = {"ar": ARConfig, "sd": SDConfig, "msd": MSDConfig, "smc": SMCConfig}.get(method)
-    if expected is None or not isinstance(config, expected):
-        raise ValueError(f"no prediction for method {method!r} with {config!r}")
-    if isinstance(config, ARConfig):
-        return 1.0, costs.target(1, 1)
-    k = config.draft_tokens
-    n = 1 if isinstance(config, SDConfig) else config.particles
-    seconds = k * costs.draft(n) + costs.target(n, k + 1)
-    if isinstance(config, SDConfig):
-        return sd_tokens_per_round(a, k), seconds
-    if isinstance(config, MSDConfig):
-        return msd_tokens_per_round(a, n, k), seconds
-    return k + 1.0, seconds
+    row = method_row(method)
+    if not isinstance(config, row.config):
+        raise ValueError(f"{method!r} takes a {row.config.__name__}, got {config!r}")
+    k = row.lookahead(config)
+    rows, draft_rows = row.kv_rows(config)
+    draft_seconds = k * costs.draft(draft_rows) if k else 0.0
+    return row.tokens_per_round(config, a), draft_seconds + costs.target(rows, k + 1)
 
 
 def predict(method: str, config: DecodingConfig, a: float, costs: StepCosts) -> float:

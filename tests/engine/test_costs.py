@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from smcspec.config import ARConfig, MSDConfig, SDConfig, SMCConfig
+from smcspec.decoding.round_tokens import msd_tokens_per_round, sd_tokens_per_round
 from smcspec.engine import LLM
 from smcspec.engine import costs as cm
 
@@ -41,7 +42,7 @@ def test_sd_tokens_per_round_is_the_accepted_lengths_mean(a):
     costs = flat_costs(1.0, 0.0, 0.0, 0.0)  # a round costs 1 s: tokens/s is tokens per round
     for k in range(1, 7):
         want = enumerated_sd_tokens(a, k)
-        assert cm.sd_tokens_per_round(a, k) == pytest.approx(want, abs=1e-12)
+        assert sd_tokens_per_round(a, k) == pytest.approx(want, abs=1e-12)
         assert cm.predict("sd", SDConfig(draft_tokens=k), a, costs) == pytest.approx(want)
 
 
@@ -75,12 +76,12 @@ def test_msd_tokens_per_round_matches_the_walk_for_a_point_mass_target(n, k, a):
     tokens = [walked_tokens(p, q, n, k, rng) for _ in range(10_000)]
     mean = sum(tokens) / len(tokens)
     sd = math.sqrt(sum((t - mean) ** 2 for t in tokens) / (len(tokens) - 1))
-    assert abs(cm.msd_tokens_per_round(a, n, k) - mean) < 5 * sd / math.sqrt(len(tokens))
+    assert abs(msd_tokens_per_round(a, n, k) - mean) < 5 * sd / math.sqrt(len(tokens))
 
 
 def test_msd_with_one_draft_is_sd():
     for a, k in itertools.product((0.0, 0.4, 0.9, 1.0), (1, 3, 8)):
-        assert cm.msd_tokens_per_round(a, 1, k) == pytest.approx(cm.sd_tokens_per_round(a, k))
+        assert msd_tokens_per_round(a, 1, k) == pytest.approx(sd_tokens_per_round(a, k))
 
 
 @pytest.mark.parametrize("a", [0.2, 0.6, 0.95])
@@ -122,7 +123,7 @@ def test_predict_refuses_a_bad_acceptance_or_a_config_of_another_method():
     costs = flat_costs(1.0, 0.0, 0.1, 0.0)
     with pytest.raises(ValueError, match="acceptance"):
         cm.predict("sd", SDConfig(), 1.5, costs)
-    with pytest.raises(ValueError, match="'sd'"):
+    with pytest.raises(ValueError, match="'sd' takes a SDConfig"):
         cm.predict("sd", MSDConfig(), 0.5, costs)
 
 

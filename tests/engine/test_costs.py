@@ -113,6 +113,9 @@ def test_the_cache_round_trips_and_a_thread_count_is_part_of_its_key(tmp_path):
     assert cm.load(key, tmp_path) == costs
     other = {**key, "torch_threads": 2}
     assert cm.cache_path(other, tmp_path) != path and cm.load(other, tmp_path) is None
+    # a file whose own key differs (a copy, a collision of the name's hash) is not taken
+    cm.cache_path(other, tmp_path).write_text(path.read_text())
+    assert cm.load(other, tmp_path) is None
     path.write_text("{not json")
     assert cm.load(key, tmp_path) is None
 

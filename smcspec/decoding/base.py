@@ -45,6 +45,10 @@ class SDStats(Stats):
     acceptance_rate: float | None  # accepted / proposed
     mean_accepted_length: float | None  # accepted drafts per round
     tokens_per_round: float | None  # committed tokens per round
+    # a = sum_x min(p(x), q(x)) at each draft checked (those of proposed_tokens), the
+    # probability that sd keeps a draft there, averaged (acceptance_rate is its sample)
+    draft_agreement: float | None = None
+    agreement_positions: int = 0  # the positions averaged
 
 
 @dataclass
@@ -60,6 +64,11 @@ class SMCStats(Stats):
     # with a potential: why particles died (a reward that raised, a matcher that gave up, a
     # mask the sampling settings emptied), each reason once, at most 10
     potential_errors: list[str] | None = None
+    # a = sum_x min(p(x), q(x)) (see `agreement`), averaged over every live particle's drafted
+    # positions of every round, up to and including its first drafted EOS; p and q are the
+    # adjusted laws of target and draft, a potential's shaping left out (as sd would test them)
+    draft_agreement: float | None = None
+    agreement_positions: int = 0  # the (particle, position) pairs averaged
     _omit_unset = ("valid_particles", "potential_errors")
 
 
@@ -73,6 +82,12 @@ class MSDStats(Stats):
     acceptance_by_depth: list[float | None]
     mean_accepted_length: float | None  # None, not NaN, when nothing was drafted
     tokens_per_round: float | None
+    # nodes whose drafts the walk tested: each round's path up to and including the node where
+    # all were rejected (or its last drafted depth), cut after a kept EOS, as sd's
+    proposed_tokens: int = 0
+    # a = sum_x min(p(x), q(x)) at each of those nodes, with the node's p and q, averaged
+    draft_agreement: float | None = None
+    agreement_positions: int = 0  # the nodes averaged
 
 
 @dataclass

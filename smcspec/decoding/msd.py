@@ -42,6 +42,7 @@ import torch
 
 from smcspec import sampling
 from smcspec.config import MSDConfig, SamplingConfig
+from smcspec.decoding.agreement import Tally, agreement
 from smcspec.decoding.base import (
     DecodeResult,
     MSDStats,
@@ -60,7 +61,8 @@ from smcspec.models.base import CausalLM, KVCache
 class Round(NamedTuple):
     """One round's outcome: the committed tokens, the depth the walk reached (drafts accepted),
     the drafts committed (fewer after a kept EOS), whether an EOS ended decoding, the row that
-    holds the path, and the tokens' scores when asked for."""
+    holds the path, the tokens' scores when asked for, and `agreement` at each node the walk
+    tested drafts at (those on the committed path with a draft depth: min(len(block), k))."""
 
     block: list[int]
     depth: int
@@ -68,6 +70,7 @@ class Round(NamedTuple):
     done: bool
     winner: int
     scored: TokenLogprobs | None
+    agreement: torch.Tensor
 
 
 class MultiDraftDecoder:
@@ -96,6 +99,7 @@ class MultiDraftDecoder:
             new: list[int] = []
             walked: list[tuple[int, int]] = []  # per round: (drafts per row, depth reached)
             scores: list[TokenLogprobs] = []
+            agreed = Tally()
             accepted = 0
             done = stopped = False
             while not done and len(new) < s.max_new_tokens:
@@ -103,6 +107,7 @@ class MultiDraftDecoder:
                 r = self._round(seq, caches, k, s, generator, clock, len(prompt))
                 walked.append((k, r.depth))
                 accepted += r.kept
+                agreed.add(r.agreement)
                 new.extend(r.block)
                 done = r.done
                 if r.scored is not None:
@@ -114,7 +119,7 @@ class MultiDraftDecoder:
                     stopped = done = True
         seconds, split = clock.finish()
         logprobs = TokenLogprobs.join(scores) if s.logprobs is not None else None
-        stats = _stats(stopped, accepted, walked, len(new))
+        stats = _stats(stopped, accepted, walked, len(new), agreed)
         return DecodeResult(new, len(walked), seconds, split, stats, logprobs=logprobs)
 
     def _round(
@@ -141,12 +146,16 @@ class MultiDraftDecoder:
             u = sampling.uniforms((k * drafts.shape[0] + 1,), generator, logp.device)
             path, depth, winner = self._verify(drafts, logq, logp, u)  # [k + 1], [], []
             scored = () if s.logprobs is None else _score(logp, winner, path, s.logprobs)
+            agree = _agreement(logp, logq, winner)  # [k]
             # The round's one wait for the device, after the K draft steps, the verify pass and
             # the walk are all queued: the block is cut and the rows restarted on the host.
-            path, depth, winner, *scored = sampling.to_host(path, depth, winner, *scored)
+            path, depth, winner, agree, *scored = sampling.to_host(
+                path, depth, winner, agree, *scored
+            )
         block, kept, done = self._cut(path.tolist(), int(depth), s)
         logprobs = to_host(*(t[: len(block)] for t in scored)) if scored else None
-        return Round(block, int(depth), kept, done, int(winner), logprobs)
+        agree = agree[: min(len(block), k)]
+        return Round(block, int(depth), kept, done, int(winner), logprobs, agree)
 
     def _propose(
         self,
@@ -301,8 +310,25 @@ def _score(
     return score(logp.index_select(0, winner[None])[0], path, top)
 
 
-def _stats(stopped: bool, accepted: int, walked: list[tuple[int, int]], tokens: int) -> MSDStats:
-    """The figures of a decode whose rounds drafted k tokens a row and walked to `depth`."""
+def _agreement(logp: torch.Tensor, logq: torch.Tensor, winner: torch.Tensor) -> torch.Tensor:
+    """`agreement` at the winner's k drafted positions [k] (logp [N, k + 1, V], logq [N, k, V]):
+    the path's node at depth d is the winner's row there for every d the path reaches, since
+    the rows alive at a node share its prefix (so its laws, up to rounding)."""
+    k = logq.shape[1]
+    at = winner[None]  # a device index: indexing with a tensor scalar would read it on the host
+    return agreement(logp.index_select(0, at)[0, :k], logq.index_select(0, at)[0])
+
+
+def _stats(
+    stopped: bool,
+    accepted: int,
+    walked: list[tuple[int, int]],
+    tokens: int,
+    agreed: Tally | None = None,
+) -> MSDStats:
+    """The figures of a decode whose rounds drafted k tokens a row and walked to `depth`, and
+    the agreement at the nodes where drafts were tested."""
+    agreed = agreed or Tally()
     drafted = max((k for k, _ in walked), default=0)
     by_depth: list[float | None] = []
     for d in range(drafted):
@@ -316,4 +342,7 @@ def _stats(stopped: bool, accepted: int, walked: list[tuple[int, int]], tokens: 
         acceptance_by_depth=by_depth,
         mean_accepted_length=sum(d for _, d in walked) / rounds if rounds else None,
         tokens_per_round=tokens / rounds if rounds else None,
+        proposed_tokens=agreed.positions,
+        draft_agreement=agreed.mean,
+        agreement_positions=agreed.positions,
     )

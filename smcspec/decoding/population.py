@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from smcspec.decoding import particles
+from smcspec.decoding.agreement import Tally
 from smcspec.decoding.logprobs import ParticleLogprobs
 
 
@@ -25,6 +26,7 @@ class Population:
     resamples: int = 0
     collapses: int = 0
     scores: ParticleLogprobs | None = None  # the tokens' log-probabilities, when asked for
+    agreed: Tally = field(default_factory=Tally)  # `agreement` at the drafted positions
 
     @classmethod
     def start(cls, n: int, max_new: int, logprobs: int | None = None) -> Population:

@@ -22,6 +22,7 @@ import torch
 from smcspec import sampling
 from smcspec.config import SamplingConfig, SMCConfig
 from smcspec.decoding import particles
+from smcspec.decoding.agreement import agreement
 from smcspec.decoding.base import (
     DecodeResult,
     SMCStats,
@@ -141,6 +142,8 @@ class SMCDecoder:
             weights=weights.tolist(),
             log_z_hat=pop.log_z,
             chosen_particle=choice,
+            draft_agreement=pop.agreed.mean,
+            agreement_positions=pop.agreed.positions,
         )
         guide.report(stats, pop)
         logprobs = None if pop.scores is None else pop.scores.of(choice, int(pop.lengths[choice]))
@@ -172,7 +175,9 @@ class SMCDecoder:
         seqs = pop.live_sequences(prompt)  # [B, L + G]
         guide.begin(pop.live.tolist())
         with clock.stage("draft"):
-            drafts, logq_x = self._propose(seqs, d_cache, k, s, generator, guide, prompt.numel())
+            drafts, logq_x, logq = self._propose(
+                seqs, d_cache, k, s, generator, guide, prompt.numel()
+            )
         with clock.stage("verify"):
             feed = torch.cat([sampling.to_device(pending(seqs, t_cache), drafts.device), drafts], 1)
             logits = self.target.forward(feed, t_cache, k + 1)  # [B, k + 1, V]
@@ -187,14 +192,16 @@ class SMCDecoder:
             logp_x = sampling.pick(law[:, :k], drafts)  # [B, k]
             bonus, log_ratio = guide.bonus(law, logp_x, logq_x, generator)  # [B], [B, k + 1]
             scored = _score(logp, drafts, bonus, s.logprobs)
+            agree = agreement(logp[:, :k], sampling.to_device(logq, logp.device))  # [B, k]
             # The round's one wait for the device, after the K draft steps and the verify pass
             # are all queued: the weights, EOS and resampling below are decided on the host.
-            drafts, bonus, log_ratio, *scored = sampling.to_host(
-                drafts, bonus, log_ratio, *(scored or ())
+            drafts, bonus, log_ratio, agree, *scored = sampling.to_host(
+                drafts, bonus, log_ratio, agree, *(scored or ())
             )
         rows_before = pop.live
         block = torch.cat([drafts, bonus[:, None]], dim=1)  # [B, k + 1]
         increment, kept, ended = self._weigh(block, log_ratio, s)  # [B] each
+        pop.agreed.add(agree[torch.arange(k)[None, :] < kept[:, None]])  # up to a drafted EOS
         if guide.collapses(pop, increment):
             self._exact_step(pop, (law[:, 0], logp[:, 0]), s, generator, guide)
             for cache in caches:
@@ -215,13 +222,15 @@ class SMCDecoder:
         generator: torch.Generator,
         guide: RoundGuide,
         prompt_len: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft tokens [B, k] and their log proposal probability [B, k]: k batched draft steps
-        from the guide's proposal law (q itself without a potential). seqs [B, T]: the prompt
-        (prompt_len tokens) and each particle's text."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Draft tokens [B, k], their log proposal probability [B, k], and the draft's law q at
+        each step [B, k, V] (before a potential shapes it: for `agreement`): k batched draft
+        steps from the guide's proposal law (q itself without a potential). seqs [B, T]: the
+        prompt (prompt_len tokens) and each particle's text."""
         b = seqs.shape[0]
         tokens: list[torch.Tensor] = []  # each [B], on the draft's device
         logq_x: list[torch.Tensor] = []
+        laws: list[torch.Tensor] = []
         feed = pending(seqs, cache)
         for _ in range(k):
             logits = self.draft.forward(feed, cache, 1)[:, -1:]  # [B, 1, V]
@@ -229,15 +238,16 @@ class SMCDecoder:
                 logits = logits.cpu()
             context = [seqs, *(t[:, None] for t in tokens)]
             scores = sampling.scores(logits, s, context, prompt_len)[:, 0]  # [B, V]
-            logq = guide.proposal(sampling.tempered(scores, s, s.proposal_temperature), scores)
+            laws.append(sampling.tempered(scores, s, s.proposal_temperature))
+            logq = guide.proposal(laws[-1], scores)
             x = sampling.sample(logq, generator)  # [B], stays on the device: no sync
             tokens.append(x)
             logq_x.append(sampling.pick(logq, x))
             guide.drafted(x)
             feed = x[:, None]
         if k == 0:  # no draft step: the empty drafts stay on the host
-            return torch.zeros(b, 0, dtype=torch.long), torch.zeros(b, 0)
-        return torch.stack(tokens, dim=1), torch.stack(logq_x, dim=1)
+            return torch.zeros(b, 0, dtype=torch.long), torch.zeros(b, 0), torch.zeros(b, 0, 1)
+        return torch.stack(tokens, dim=1), torch.stack(logq_x, dim=1), torch.stack(laws, dim=1)
 
     def _eos(self, s: SamplingConfig) -> torch.Tensor:
         ids = sorted(self.target.eos_token_ids) if s.stop_at_eos else []

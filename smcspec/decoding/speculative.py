@@ -12,6 +12,7 @@ import torch
 
 from smcspec import sampling
 from smcspec.config import SamplingConfig, SDConfig
+from smcspec.decoding.agreement import Tally, agreement
 from smcspec.decoding.base import (
     DecodeResult,
     SDStats,
@@ -52,6 +53,7 @@ class SpeculativeDecoder:
             rounds = proposed = accepted_total = 0
             done = stopped = False
             scores: list[TokenLogprobs] = []
+            agreed = Tally()
             while not done and len(new) < s.max_new_tokens:
                 k = min(self.config.draft_tokens, s.max_new_tokens - len(new) - 1)
                 with clock.stage("draft"):
@@ -62,7 +64,10 @@ class SpeculativeDecoder:
                     logits = self.target.forward(feed, t_cache, k + 1)  # [1, k + 1, V]
                     context = [seq, drafts[None]]
                     logp = sampling.law(logits, s, s.temperature, context, len(prompt))[0]
-                block, n_accepted, n_checked, done = self._accept(drafts, logq, logp, s, generator)
+                block, n_accepted, n_checked, done, agree = self._accept(
+                    drafts, logq, logp, s, generator
+                )
+                agreed.add(agree)
                 rounds += 1
                 proposed += n_checked
                 accepted_total += n_accepted
@@ -84,6 +89,8 @@ class SpeculativeDecoder:
             acceptance_rate=accepted_total / proposed if proposed else None,
             mean_accepted_length=accepted_total / rounds if rounds else None,
             tokens_per_round=len(new) / rounds if rounds else None,
+            draft_agreement=agreed.mean,
+            agreement_positions=agreed.positions,
         )
         return DecodeResult(new, rounds, seconds, split, stats, logprobs=logprobs)
 
@@ -120,9 +127,10 @@ class SpeculativeDecoder:
         logp: torch.Tensor,
         s: SamplingConfig,
         generator: torch.Generator,
-    ) -> tuple[list[int], int, int, bool]:
-        """Rejection step. Returns (committed tokens, #accepted drafts, #drafts checked, ended).
-        drafts [k], logq [k, V], logp [k + 1, V].
+    ) -> tuple[list[int], int, int, bool, torch.Tensor]:
+        """Rejection step. Returns (committed tokens, #accepted drafts, #drafts checked, ended,
+        `agreement` at the drafts checked [#drafts checked]). drafts [k], logq [k, V],
+        logp [k + 1, V].
 
         Draft i is kept if u_i < p(x_i) / q(x_i). The first rejected one is replaced by a draw
         from the residual, or, if all K are kept, a bonus token comes from p: that draw takes
@@ -135,17 +143,19 @@ class SpeculativeDecoder:
         state = generator.get_state()
         u = sampling.uniforms((k + 1,), generator, logp.device)  # [k + 1]
         accepted, final = _decide(drafts, logq, logp, u)
+        agree = agreement(logp[:k], sampling.to_device(logq, logp.device))  # [k]
         # The round's one wait for the device, after the K draft steps and the verify pass.
-        drafts, accepted, final = sampling.to_host(drafts, accepted, final)
+        drafts, accepted, final, agree = sampling.to_host(drafts, accepted, final, agree)
         block, n = drafts.tolist(), int(accepted)
         eos = self.target.eos_token_ids if s.stop_at_eos else frozenset()
         end = next((i for i, x in enumerate(block[:n]) if x in eos), None)
         if end is not None:  # a kept EOS: no later test, no final draw
             _advance(generator, state, end + 1)
-            return block[: end + 1], end + 1, end + 1, True
+            return block[: end + 1], end + 1, end + 1, True, agree[: end + 1]
         _advance(generator, state, min(n + 2, k + 1))
         token = int(final)
-        return [*block[:n], token], n, min(n + 1, k), token in eos
+        checked = min(n + 1, k)
+        return [*block[:n], token], n, checked, token in eos, agree[:checked]
 
 
 def _decide(

@@ -32,6 +32,7 @@ import torch
 
 from smcspec import sampling
 from smcspec.decoding import particles
+from smcspec.decoding.agreement import agreement
 from smcspec.decoding.msd import MultiDraftDecoder
 from smcspec.decoding.population import Population
 from smcspec.decoding.smc import SMCDecoder
@@ -43,8 +44,8 @@ class NoDraftCorrection(SMCDecoder):
     """Weights use log p only: the proposal's log q is dropped."""
 
     def _propose(self, seqs, cache, k, s, generator, guide, prompt_len):
-        tokens, logq_x = super()._propose(seqs, cache, k, s, generator, guide, prompt_len)
-        return tokens, torch.zeros_like(logq_x)
+        tokens, logq_x, laws = super()._propose(seqs, cache, k, s, generator, guide, prompt_len)
+        return tokens, torch.zeros_like(logq_x), laws
 
 
 class WrongWeightSign(SMCDecoder):
@@ -79,7 +80,7 @@ class WrongDraftTemperatureWeights(SMCDecoder):
     """Drafts at `draft_temperature` but weights with q at the target's temperature."""
 
     def _propose(self, seqs, cache, k, s, generator, guide, prompt_len):
-        tokens, logq_x = super()._propose(seqs, cache, k, s, generator, guide, prompt_len)
+        tokens, logq_x, laws = super()._propose(seqs, cache, k, s, generator, guide, prompt_len)
         # Re-score the drafts under q at the target temperature, on a fresh pass of the toy draft.
         logq_wrong = torch.zeros_like(logq_x)
         for row in range(seqs.shape[0]):
@@ -88,7 +89,7 @@ class WrongDraftTemperatureWeights(SMCDecoder):
                 logits = self.draft.logits(prefix + tuple(tokens[row, :i].tolist()))
                 logq = sampling.log_probs(logits, s.temperature, s.top_k, s.top_p)
                 logq_wrong[row, i] = logq[tokens[row, i]]
-        return tokens, logq_wrong
+        return tokens, logq_wrong, laws
 
 
 class SDWithoutResidual(SpeculativeDecoder):
@@ -118,15 +119,17 @@ def _accept(dec, drafts, logq, logp, s, generator, residual=True, shared_uniform
         if u < ratio:
             block.append(x)
             if s.stop_at_eos and x in eos:
-                return block, i + 1, i + 1, True
+                return block, i + 1, i + 1, True, agreement(logp[: i + 1], logq[: i + 1])
             continue
         law = _residual(logp[i], logq[i]) if residual else logp[i]
         token = int(sampling.sample(law, generator))
         block.append(token)
-        return block, i, i + 1, s.stop_at_eos and token in eos
+        done = s.stop_at_eos and token in eos
+        return block, i, i + 1, done, agreement(logp[: i + 1], logq[: i + 1])
     token = int(sampling.sample(logp[len(block)], generator))
     block.append(token)
-    return block, len(drafts), len(drafts), s.stop_at_eos and token in eos
+    done = s.stop_at_eos and token in eos
+    return block, len(drafts), len(drafts), done, agreement(logp[: len(drafts)], logq)
 
 
 def tree_walk(drafts, logq, logp, u, bug=None, bonus=None):

@@ -49,13 +49,17 @@ READS: dict[tuple[str, str, str], tuple[str, str]] = {
     (
         "smc.py",
         "SMCDecoder._round",
-        "sampling.to_host(drafts, bonus, log_ratio, *(scored or ()))",
+        "sampling.to_host(drafts, bonus, log_ratio, agree, *(scored or ()))",
     ): (
         ROUND,
         "weights, EOS and resampling are decided on the host, after the K draft steps and the "
         "verify pass are all queued",
     ),
-    ("speculative.py", "SpeculativeDecoder._accept", "sampling.to_host(drafts, accepted, final)"): (
+    (
+        "speculative.py",
+        "SpeculativeDecoder._accept",
+        "sampling.to_host(drafts, accepted, final, agree)",
+    ): (
         ROUND,
         "the accept tests and the final draw ran on the device; the block is cut on the host",
     ),
@@ -63,7 +67,11 @@ READS: dict[tuple[str, str, str], tuple[str, str]] = {
         ROUND,
         "ar's round is one token, which the next step's context needs on the host",
     ),
-    ("msd.py", "MultiDraftDecoder._round", "sampling.to_host(path, depth, winner, *scored)"): (
+    (
+        "msd.py",
+        "MultiDraftDecoder._round",
+        "sampling.to_host(path, depth, winner, agree, *scored)",
+    ): (
         ROUND,
         "the tree walk and the final draw ran on the device (the scores too, when asked for); "
         "the block is cut and the rows restarted on the host",
@@ -73,6 +81,7 @@ READS: dict[tuple[str, str, str], tuple[str, str]] = {
         "a setting, not a tensor",
     ),
     ("msd.py", "MultiDraftDecoder._round", "path.tolist()"): (HOST, "read back"),
+    ("agreement.py", "Tally.add", "float(values.sum())"): (HOST, "read back with the round"),
     ("msd.py", "MultiDraftDecoder._round", "int(depth)"): (HOST, "read back"),
     ("msd.py", "MultiDraftDecoder._round", "int(winner)"): (HOST, "read back"),
     ("smc.py", "SMCDecoder._exact_step", "sampling.to_host(token, *scored)"): (
@@ -241,7 +250,7 @@ class SMCDecoder:
         x = x.to(dtype=torch.float32)
         drafts, bonus, log_ratio = drafts.cpu(), bonus.cpu(), log_ratio.cpu()
         k = int(n.sum())
-        w = sampling.to_host(drafts, bonus, log_ratio, *(scored or ()))
+        w = sampling.to_host(drafts, bonus, log_ratio, agree, *(scored or ()))
 """
 
 

@@ -1,9 +1,11 @@
 """Prometheus metrics of one server, named as vLLM names them (prefix `smcspec:` for `vllm:`)
 so existing dashboards carry over, each labelled with the served `model_name`: requests,
 client disconnects (nginx's 499, by stage), tokens, latency, queue, KV pages, speculative
-decoding (sd) counters, and SMC's own (rounds, resamples, ESS). `role` tells the target model
-from the draft. smcspec:graph_replays_total / smcspec:forward_passes_total is the share of
-passes a captured CUDA graph served (the rest ran eagerly)."""
+decoding counters (sd's and msd's, as vLLM counts every speculative method in one set), the
+draft's agreement with the target (sd, msd, smc), and SMC's own (rounds, resamples, ESS). `role`
+tells the target model from the draft. smcspec:graph_replays_total /
+smcspec:forward_passes_total is the share of passes a captured CUDA graph served (the rest ran
+eagerly)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from smcspec.engine import PagedModel, SDStats, SMCStats, Stats
+from smcspec.engine import MSDStats, PagedModel, SDStats, SMCStats, Stats
 
 THROUGHPUT_WINDOW_S = 30.0
 ROLES = ("target", "draft")
@@ -26,7 +28,7 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 7.5, 10, 15, 20, 3
 TTFT_BUCKETS += (90, 120, 240, 480)
 LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 15, 20, 30, 45, 60, 90, 120, 180, 240)
 LATENCY_BUCKETS += (300, 480, 960, 1920)
-ESS_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+FRACTION_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 
 class ServerMetrics:
@@ -63,17 +65,26 @@ class ServerMetrics:
             registry=r,
         )
         self.prompt_tokens = self._counter("smcspec:prompt_tokens", "prompt tokens")
-        self.sd_drafts = self._counter("smcspec:spec_decode_num_drafts", "sd rounds")
+        self.sd_drafts = self._counter("smcspec:spec_decode_num_drafts", "sd and msd rounds")
         self.sd_draft_tokens = self._counter(
-            "smcspec:spec_decode_num_draft_tokens", "sd draft tokens checked"
+            "smcspec:spec_decode_num_draft_tokens",
+            "sd and msd draft positions checked (msd: the tree's nodes whose drafts were tested)",
         )
         self.sd_accepted = self._counter(
-            "smcspec:spec_decode_num_accepted_tokens", "sd draft tokens accepted"
+            "smcspec:spec_decode_num_accepted_tokens", "sd and msd draft tokens accepted"
         )
         self.smc_rounds = self._counter("smcspec:smc_rounds", "smc rounds")
         self.smc_resamples = self._counter("smcspec:smc_resamples", "smc resampling steps")
         self.smc_ess = self._histogram(
-            "smcspec:smc_ess_fraction", "ESS / N after each smc round", ESS_BUCKETS
+            "smcspec:smc_ess_fraction", "ESS / N after each smc round", FRACTION_BUCKETS
+        )
+        self.agreement = Histogram(
+            "smcspec:spec_decode_draft_agreement",
+            "each choice's mean over its drafted positions of sum_x min(p(x), q(x)), the "
+            "probability that sd keeps a draft there (target law p, draft law q), by method",
+            ["model_name", "method"],
+            buckets=FRACTION_BUCKETS,
+            registry=r,
         )
         self.first_token = self._histogram(
             "smcspec:time_to_first_token_seconds", "time to the first streamed text", TTFT_BUCKETS
@@ -108,7 +119,7 @@ class ServerMetrics:
         self.finished.labels(self.model_name, finish_reason).inc()
         with self._lock:
             self._recent.append((time.monotonic(), new_tokens))
-        if isinstance(stats, SDStats):
+        if isinstance(stats, SDStats | MSDStats):
             self.sd_drafts.inc(rounds)
             self.sd_draft_tokens.inc(stats.proposed_tokens)
             self.sd_accepted.inc(stats.accepted_tokens)
@@ -118,6 +129,9 @@ class ServerMetrics:
             self.smc_resamples.inc(stats.resamples)
             for value in stats.ess:
                 self.smc_ess.observe(value / n)
+        drafting = isinstance(stats, SDStats | MSDStats | SMCStats)
+        if drafting and stats.draft_agreement is not None:
+            self.agreement.labels(self.model_name, method).observe(stats.draft_agreement)
 
     def recent_tokens_per_second(self) -> float:
         now = time.monotonic()

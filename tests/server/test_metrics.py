@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from smcspec.bench.serving import parse_metrics
-from smcspec.decoding import ARStats, SDStats, SMCStats
+from smcspec.decoding import ARStats, MSDStats, SDStats, SMCStats
 from smcspec.server.metrics import ServerMetrics
 
 
@@ -84,3 +84,24 @@ def test_smc_metrics_are_kept(metrics):
     assert values[f"smcspec:smc_resamples_total{m}"] == 1
     assert values[f"smcspec:smc_ess_fraction_count{m}"] == 2
     assert values[f"smcspec:smc_ess_fraction_sum{m}"] == pytest.approx(1.5)
+
+
+def test_msd_is_counted_as_sd_and_every_drafting_method_reports_its_agreement(metrics):
+    sd = SDStats(False, 10, 7, 0.7, 1.75, 3.0, draft_agreement=0.75, agreement_positions=10)
+    msd = MSDStats(False, 5, [2, 3], [1.0, 0.5], 2.5, 3.5, 6, 0.55, 6)
+    smc = SMCStats(False, [2.0], 0, 0, [0.5, 0.5], 0.0, 0, draft_agreement=0.35)
+    metrics.record_choice("sd", 12, "stop", 4, sd)
+    metrics.record_choice("msd", 7, "stop", 2, msd)
+    metrics.record_choice("smc", 4, "stop", 1, smc)
+    metrics.record_choice("ar", 8, "length", 8, ARStats(False))
+    values = parse_metrics(metrics.render().decode())
+    m = '{model_name="tiny"}'
+    assert values[f"smcspec:spec_decode_num_drafts_total{m}"] == 4 + 2
+    assert values[f"smcspec:spec_decode_num_draft_tokens_total{m}"] == 10 + 6
+    assert values[f"smcspec:spec_decode_num_accepted_tokens_total{m}"] == 7 + 5
+    name = "smcspec:spec_decode_draft_agreement"
+    for method, mean in [("sd", 0.75), ("msd", 0.55), ("smc", 0.35)]:
+        labels = f'{{method="{method}",model_name="tiny"}}'
+        assert values[f"{name}_count{labels}"] == 1
+        assert values[f"{name}_sum{labels}"] == pytest.approx(mean)
+    assert not any('method="ar"' in key for key in values if key.startswith(name))

@@ -352,11 +352,12 @@ def test_each_method_reports_typed_stats_under_the_same_json_keys(llm):
     common = {"tokens_per_second", "new_tokens", "prompt_tokens", "seconds", "time_split"}
     common |= {"rounds", "seed"}
     smc = {"stopped", "ess", "resamples", "collapses", "weights", "log_z_hat", "chosen_particle"}
+    smc |= {"draft_agreement", "agreement_positions"}
     expected = {
         ("ar", False): {"stopped"},
         ("ar", True): {"stopped", "complete"},
         ("sd", False): {"stopped", "proposed_tokens", "accepted_tokens", "acceptance_rate"}
-        | {"mean_accepted_length", "tokens_per_round"},
+        | {"mean_accepted_length", "tokens_per_round", "draft_agreement", "agreement_positions"},
         ("smc", False): smc,
         ("smc", True): smc | {"valid_particles", "potential_errors"},
     }

@@ -3,7 +3,8 @@ sent before its responses became typed models (`server.responses`): recorded fro
 10b4eb8 with the tiny llama pair, each request alone (so that no batching changes a float's last
 bits), with ids, times and the diagnostics' timings masked. Floats compare to 1e-5 relative
 (their last bits follow the CPU's kernels, not the server); every key, null, int, text and list
-length must be the same."""
+length must be the same. The diagnostics' draft_agreement and agreement_positions were added
+after (issue 28: the draft's agreement with the target), recorded the same way."""
 
 import json
 import math
@@ -141,6 +142,8 @@ EXPECTED = {
                         "acceptance_rate": 1.0,
                         "mean_accepted_length": 1.0,
                         "tokens_per_round": 2.0,
+                        "draft_agreement": 0.9397041946649551,
+                        "agreement_positions": 1,
                     },
                 },
             }
@@ -187,6 +190,8 @@ EXPECTED = {
                         "weights": [0.4698530577821942, 0.5301469422178058],
                         "log_z_hat": 0.12741131262821037,
                         "chosen_particle": 1,
+                        "draft_agreement": 0.9397042822092772,
+                        "agreement_positions": 2,
                     },
                     "particles": [
                         {"text": "w0 w12", "weight": 0.4698530577821942},
@@ -249,6 +254,8 @@ EXPECTED = {
                         "weights": [0.44969918662248415, 0.5503008133775159],
                         "log_z_hat": -0.06969147832234401,
                         "chosen_particle": 0,
+                        "draft_agreement": 0.9367434801533818,
+                        "agreement_positions": 2,
                     },
                     "particles": [
                         {"text": "w37 w19", "weight": 0.44969918662248415},
@@ -332,6 +339,8 @@ EXPECTED = {
                             "acceptance_rate": 1.0,
                             "mean_accepted_length": 2.0,
                             "tokens_per_round": 3.0,
+                            "draft_agreement": 0.9362108502537012,
+                            "agreement_positions": 2,
                         },
                     },
                 }

@@ -20,10 +20,11 @@ import torch
 
 
 def agreement(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
-    """a [...] at each position of logp, logq [..., V] (log-probabilities): min(p, q) is
-    exp(min(log p, log q)), one exp a token instead of two; summed in float64. No host sync,
-    and it draws no random number."""
-    return torch.minimum(logp, logq).exp().sum(dim=-1, dtype=torch.float64)
+    """a [...] (float64) at each position of logp, logq [..., V] (log-probabilities): min(p, q)
+    is exp(min(log p, log q)), one exp a token instead of two, taken in place and summed in the
+    laws' dtype: on the CPU at a 152k vocabulary, N = 8 and K = 4, 10 ms against 46 ms for an
+    exp and a sum in float64, 4e-8 apart. No host sync, and it draws no random number."""
+    return torch.minimum(logp, logq).exp_().sum(dim=-1).double()
 
 
 @dataclass

@@ -29,6 +29,10 @@ TTFT_BUCKETS += (90, 120, 240, 480)
 LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 15, 20, 30, 45, 60, 90, 120, 180, 240)
 LATENCY_BUCKETS += (300, 480, 960, 1920)
 FRACTION_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+AGREEMENT_DOC = (
+    "each choice's mean over its drafted positions of sum_x min(p(x), q(x)), the probability "
+    "that sd keeps a draft there (target law p, draft law q), by method"
+)
 
 
 class ServerMetrics:
@@ -80,8 +84,7 @@ class ServerMetrics:
         )
         self.agreement = Histogram(
             "smcspec:spec_decode_draft_agreement",
-            "each choice's mean over its drafted positions of sum_x min(p(x), q(x)), the "
-            "probability that sd keeps a draft there (target law p, draft law q), by method",
+            AGREEMENT_DOC,
             ["model_name", "method"],
             buckets=FRACTION_BUCKETS,
             registry=r,

@@ -37,8 +37,11 @@ def test_greedy_sd_and_msd_equal_greedy_ar_in_float32():
     sd = llm.generate(PROMPT, "sd", draft_tokens=4, **settings)
     assert sd.token_ids == ar.token_ids
     assert sd.diagnostics["accepted_tokens"] > 0  # the draft's tokens were used, not just p's
-    msd = llm.generate(PROMPT, "msd", particles=2, draft_tokens=4, **settings)
-    assert msd.token_ids == ar.token_ids and msd.diagnostics["accepted_tokens"] > 0
+    # the first 16 tokens: half of ar's, to bound the float32 pair's time in the suite
+    msd = llm.generate(
+        PROMPT, "msd", particles=2, draft_tokens=4, **settings | {"max_new_tokens": 16}
+    )
+    assert msd.token_ids == ar.token_ids[:16] and msd.diagnostics["accepted_tokens"] > 0
     del llm, ar, sd, msd
     gc.collect()  # before the int8 pair loads: the two together would hold ~15 GB
 

@@ -39,6 +39,16 @@ def _require(ok: bool, message: str, field: str | None = None) -> None:
         raise SettingError(message, field)
 
 
+def _require_count(config: object, field: str, label: str | None = None) -> None:
+    """`config.field` is an integer >= 1 (a count: tokens, particles, requests, bytes)."""
+    value = getattr(config, field)
+    _require(
+        _is_int(value) and value >= 1,
+        f"{label or field} must be an integer >= 1, got {value!r}",
+        field,
+    )
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -108,11 +118,7 @@ class SamplingConfig:
             f"top_p must be in (0, 1], got {self.top_p!r}",
             "top_p",
         )
-        _require(
-            _is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
-            f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}",
-            "max_new_tokens",
-        )
+        _require_count(self, "max_new_tokens")
         _require(
             self.seed is None or (_is_int(self.seed) and self.seed >= 0),
             f"seed must be a non-negative integer, got {self.seed!r}",
@@ -225,12 +231,7 @@ class EngineLimits:
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_batch_tokens", "page_size"):
-            value = getattr(self, name)
-            _require(
-                _is_int(value) and value >= 1,
-                f"{name} must be an integer >= 1, got {value!r}",
-                name,
-            )
+            _require_count(self, name)
         _require(
             self.kv_pages is None or (_is_int(self.kv_pages) and self.kv_pages >= 1),
             f"kv_pages must be an integer >= 1, got {self.kv_pages!r}",
@@ -260,11 +261,7 @@ class HTTPLimits:
     write_timeout: float = 60.0
 
     def __post_init__(self) -> None:
-        _require(
-            _is_int(self.max_body_bytes) and self.max_body_bytes >= 1,
-            f"max_body_bytes must be an integer >= 1, got {self.max_body_bytes!r}",
-            "max_body_bytes",
-        )
+        _require_count(self, "max_body_bytes")
         _require(
             _is_number(self.shutdown_timeout) and self.shutdown_timeout >= 0,
             f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}",
@@ -284,11 +281,7 @@ class SDConfig:
     draft_tokens: int = SD_DRAFT_TOKENS
 
     def __post_init__(self) -> None:
-        _require(
-            _is_int(self.draft_tokens) and self.draft_tokens >= 1,
-            f"draft_tokens (K) must be an integer >= 1, got {self.draft_tokens!r}",
-            "draft_tokens",
-        )
+        _require_count(self, "draft_tokens", "draft_tokens (K)")
 
 
 @dataclass(frozen=True)
@@ -301,16 +294,8 @@ class SMCConfig:
     resampling: str = "systematic"
 
     def __post_init__(self) -> None:
-        _require(
-            _is_int(self.particles) and self.particles >= 1,
-            f"particles (N) must be an integer >= 1, got {self.particles!r}",
-            "particles",
-        )
-        _require(
-            _is_int(self.draft_tokens) and self.draft_tokens >= 1,
-            f"draft_tokens (K) must be an integer >= 1, got {self.draft_tokens!r}",
-            "draft_tokens",
-        )
+        _require_count(self, "particles", "particles (N)")
+        _require_count(self, "draft_tokens", "draft_tokens (K)")
         _require(
             isinstance(self.resample_threshold, int | float) and 0 <= self.resample_threshold <= 1,
             f"resample_threshold must be in [0, 1], got {self.resample_threshold!r}",
@@ -332,16 +317,8 @@ class MSDConfig:
     draft_tokens: int = MSD_DRAFT_TOKENS
 
     def __post_init__(self) -> None:
-        _require(
-            _is_int(self.particles) and self.particles >= 1,
-            f"particles (N) must be an integer >= 1, got {self.particles!r}",
-            "particles",
-        )
-        _require(
-            _is_int(self.draft_tokens) and self.draft_tokens >= 1,
-            f"draft_tokens (K) must be an integer >= 1, got {self.draft_tokens!r}",
-            "draft_tokens",
-        )
+        _require_count(self, "particles", "particles (N)")
+        _require_count(self, "draft_tokens", "draft_tokens (K)")
 
 
 @dataclass(frozen=True)

@@ -193,6 +193,28 @@ def add_particles(p: argparse.ArgumentParser, what: str) -> None:
     )
 
 
+def add_auto(p: argparse.ArgumentParser) -> None:
+    """auto's settings (`AutoConfig`): --approximate and the bounds of what it weighs."""
+    auto = p.add_argument_group("auto (the default method: the fastest setting, chosen as it runs)")
+    auto.add_argument(
+        "--approximate",
+        action="store_true",
+        default=None,
+        help="let auto choose smc too (approximate), while its ESS / N stays >= --ess-floor",
+    )
+    auto.add_argument("--max-particles", type=int, default=None, metavar="N", help="auto's most N")
+    auto.add_argument(
+        "--max-draft-tokens", type=int, default=None, metavar="K", help="auto's most K"
+    )
+    auto.add_argument(
+        "--redecide-every", type=int, default=None, metavar="R", help="auto chooses every R rounds"
+    )
+    auto.add_argument(
+        "--ess-floor", type=float, default=None, help="with --approximate: smc's mean ESS / N bound"
+    )
+    p.set_defaults(exact=None)  # no flag of its own: --approximate is its opposite
+
+
 def add_resampling(p: argparse.ArgumentParser) -> None:
     add_resample_threshold(p)
     p.add_argument(

@@ -11,6 +11,7 @@ from typing import Any
 
 from smcspec.cli_common import (
     K_HELP,
+    add_auto,
     add_engine_limits,
     add_model_options,
     add_particles,
@@ -23,7 +24,10 @@ from smcspec.cli_sampling import add_sampling_flags, sampling_settings
 from smcspec.config import MAX_PARTICLES
 from smcspec.engine import configs_from_fields, method_fields, method_names, method_row
 
-METHOD_HELP = "decoding method (default: sd, or smc when a potential is given)"
+METHOD_HELP = (
+    "decoding method (default: auto, the fastest exact setting for the request, or smc's "
+    "fastest with a potential)"
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -38,6 +42,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     gen.add_argument("-k", "--draft-tokens", type=int, default=None, help=K_HELP)
     add_resampling(gen)
+    add_auto(gen)
     add_sampling_flags(gen)
     add_model_options(gen)
     add_engine_limits(gen)
@@ -102,7 +107,7 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
     """The flags `configs_from_fields` reads, each named as its field: the method, every
     method's settings and every `SamplingConfig` field, so that a new field needs only its
     flag."""
-    names = ("method", "allow_large", *method_fields())
+    names = ("method", "allow_large", "approximate", *method_fields())
     return {name: getattr(args, name) for name in names} | sampling_settings(args)
 
 
@@ -187,6 +192,23 @@ def summary(result) -> str:
                     "WARNING: no particle satisfied the potentials; raise --particles or "
                     "--max-new-tokens"
                 )
+    if getattr(stats, "settings", None):  # auto's choices
+        parts.append("auto chose " + ", then ".join(_setting(s) for s in stats.settings))
     parts.append(f"finish {result.finish_reason}")
     parts.append(f"seed {d['seed']}")
     return " | ".join(parts)
+
+
+def _setting(chosen: dict[str, Any]) -> str:
+    """One of auto's settings: "sd K=4 for 12 rounds (predicted 14.1, measured 13.2 tok/s)"."""
+    sizes = "".join(
+        f" {flag}={chosen[key]}"
+        for key, flag in (("particles", "N"), ("draft_tokens", "K"))
+        if key in chosen
+    )
+    measured = chosen["measured_tokens_per_second"]
+    return (
+        f"{chosen['method']}{sizes} for {chosen['rounds']} rounds (predicted "
+        f"{chosen['predicted_tokens_per_second']:.1f}, measured "
+        f"{'-' if measured is None else f'{measured:.1f}'} tok/s)"
+    )

@@ -42,13 +42,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--method",
         choices=method_names(),
         default=None,
-        help="for requests that name none (default: sd, or smc when a request has a potential)",
+        help="for requests that name none (default: auto, the fastest setting for each request)",
     )
     add_particles(serve, f"N for requests that give none, at most {MAX_PARTICLES}")
     serve.add_argument(
         "-k", "--draft-tokens", type=int, default=None, help="K for requests; " + K_HELP
     )
     add_resampling(serve)
+    serve.add_argument(
+        "--approximate",
+        action="store_true",
+        default=None,
+        help="auto may choose smc (approximate) for requests that do not say",
+    )
     serve.add_argument("--temperature", type=float, default=SERVER_TEMPERATURE, help="as OpenAI's")
     serve.add_argument(
         "--max-tokens",
@@ -150,6 +156,7 @@ def run_serve(args: argparse.Namespace) -> int:
         draft_tokens=args.draft_tokens,
         resample_threshold=args.resample_threshold,
         resampling=args.resampling,
+        approximate=args.approximate,
         temperature=args.temperature,
         max_tokens=args.max_tokens,
         http=http_limits(args),

@@ -18,6 +18,17 @@ SMC_DRAFT_TOKENS = 8
 # every row costs a row in each of the K draft steps and in the target pass.
 MSD_PARTICLES = 2
 MSD_DRAFT_TOKENS = SD_DRAFT_TOKENS
+# auto's grid: the settings it weighs go up to these (a request keeps this many rows of each
+# cache, the most any setting it may pick needs), and it re-chooses every this many rounds.
+AUTO_MAX_PARTICLES = 4
+AUTO_MAX_DRAFT_TOKENS = 8
+AUTO_REDECIDE_EVERY = 4
+# auto with smc (exact=False): smc only while the mean ESS / N of its rounds stays at or above
+# this. ESS / N estimates 1 / (1 + chi^2(p || q)) of a round's weights, so the floor keeps the
+# chi-square divergence between a round's proposal and its target at 1 / 0.8 - 1 = 0.25 or
+# below, where the self-normalised estimate's bias (O(chi^2 / N)) stays a fraction of 1 / N
+# (docs/methods.md, "auto", has the measurement).
+AUTO_ESS_FLOOR = 0.8
 # More particles than this is more often a typo (`-n` read as tokens or choices elsewhere) than
 # a plan; `allow_large` lifts the bound.
 MAX_PARTICLES = 64
@@ -327,4 +338,35 @@ class ARConfig:
     has no settings; its type is what picks it."""
 
 
-DecodingConfig = ARConfig | SDConfig | SMCConfig | MSDConfig
+@dataclass(frozen=True)
+class AutoConfig:
+    """The fastest setting, chosen per request from the machine's measured step costs and the
+    draft's agreement with the target, and chosen again every `redecide_every` rounds as the
+    agreement is measured (`decoding.auto`). exact: among ar, sd and msd, so the output's law is
+    the target's; False: smc too, while its rounds' mean ESS / N stays >= `ess_floor`. With a
+    potential, smc at the N and K that decode fastest (the conditional needs smc)."""
+
+    exact: bool = True
+    max_particles: int = AUTO_MAX_PARTICLES
+    max_draft_tokens: int = AUTO_MAX_DRAFT_TOKENS
+    redecide_every: int = AUTO_REDECIDE_EVERY
+    ess_floor: float = AUTO_ESS_FLOOR
+
+    def __post_init__(self) -> None:
+        _require(
+            isinstance(self.exact, bool),
+            f"exact must be true or false, got {self.exact!r}",
+            "exact",
+        )
+        _require_count(self, "max_particles")
+        _require_count(self, "max_draft_tokens")
+        _require_count(self, "redecide_every")
+        floor = self.ess_floor
+        _require(
+            isinstance(floor, int | float) and not isinstance(floor, bool) and 0 <= floor <= 1,
+            f"ess_floor must be a number in [0, 1], got {floor!r}",
+            "ess_floor",
+        )
+
+
+DecodingConfig = ARConfig | SDConfig | SMCConfig | MSDConfig | AutoConfig

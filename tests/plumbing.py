@@ -20,9 +20,9 @@ def record_decoders(monkeypatch: Any) -> list[tuple[Any, Potential | None]]:
     seen: list[tuple[Any, Potential | None]] = []
     real = engine_llm.make_decoder
 
-    def spy(decoding, target, draft, potential):
+    def spy(decoding, target, draft, potential, tuner=None):
         seen.append((decoding, potential))
-        return real(decoding, target, draft, potential)
+        return real(decoding, target, draft, potential, tuner)
 
     monkeypatch.setattr(engine_llm, "make_decoder", spy)
     return seen

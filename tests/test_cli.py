@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from smcspec import LLM, cli, cli_generate
-from smcspec.config import SDConfig, SMCConfig
+from smcspec.config import AutoConfig, SMCConfig
 from tests.conftest import Loading
 
 
@@ -206,12 +206,16 @@ def run_generate(monkeypatch, capsys, llm, args, stdin: str | None = None):
     return calls[0], json.loads(capsys.readouterr().out)
 
 
-def test_generate_defaults_to_sd_and_smc_when_a_potential_is_given(monkeypatch, capsys, tiny_llm):
+def test_generate_defaults_to_auto_which_runs_smc_with_a_potential(monkeypatch, capsys, tiny_llm):
     call, out = run_generate(monkeypatch, capsys, tiny_llm, ["w1 w2"])
-    assert call["decoding"] == SDConfig() and out["method"] == "sd"  # sd's own K
+    assert call["decoding"] == AutoConfig() and out["method"] == "auto"
+    assert {s["method"] for s in out["settings"]} <= {"ar", "sd", "msd"}
+    call, _ = run_generate(monkeypatch, capsys, tiny_llm, ["w1 w2", "--approximate"])
+    assert call["decoding"] == AutoConfig(exact=False)
     call, out = run_generate(monkeypatch, capsys, tiny_llm, ["w1", "--power-alpha", "2"])
-    assert call["decoding"] == SMCConfig() and out["method"] == "smc"
-    assert len(out["particle_texts"]) == SMCConfig().particles
+    assert call["decoding"] == AutoConfig() and out["method"] == "auto"
+    [chosen] = out["settings"]
+    assert chosen["method"] == "smc" and len(out["particle_texts"]) == chosen["particles"]
     assert call["sampling"].max_new_tokens == 3 and call["sampling"].seed == 0
 
 
@@ -242,7 +246,7 @@ def test_stop_strings_reach_generate(monkeypatch, capsys, tiny_llm):
 def test_every_default_is_read_from_the_configs():
     """Each default is written once, in its dataclass: the CLI, `generate`'s keywords, the
     server and the bench read it there (the server starts from OpenAI's temperature)."""
-    from smcspec.config import SERVER_TEMPERATURE, SamplingConfig, SMCConfig
+    from smcspec.config import SERVER_TEMPERATURE, SamplingConfig
     from smcspec.engine import configs_from_fields
     from smcspec.server.runtime import ServeDefaults
 

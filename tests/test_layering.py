@@ -172,10 +172,17 @@ def method_facts(source: str, methods: set[str], configs: set[str]) -> list[tupl
     return found
 
 
+# Method names that are also everyday setting values elsewhere (dtype="auto", tool_choice
+# "auto", device "auto"): a comparison with them is no method fact. Their config types still
+# count.
+COMMON_WORDS = {"auto"}
+
+
 def _method_table() -> tuple[set[str], set[str]]:
     from smcspec.decoding import methods
 
-    return set(methods.TABLE), {row.config.__name__ for row in methods.TABLE.values()}
+    names = set(methods.TABLE) - COMMON_WORDS
+    return names, {row.config.__name__ for row in methods.TABLE.values()}
 
 
 def test_method_facts_live_only_in_the_method_table():

@@ -35,7 +35,7 @@ def fake_method(monkeypatch):
     decoder was built from, in call order."""
     built: list[FakeConfig] = []
 
-    def decoder(target, draft, config, potential):
+    def decoder(target, draft, config, potential, tuner):
         built.append(config)
         return SpeculativeDecoder(target, draft, SDConfig(config.draft_tokens))
 
@@ -48,6 +48,7 @@ def fake_method(monkeypatch):
         tokens_per_round=lambda config, a: sd_tokens_per_round(a, config.draft_tokens),
         potentials=False,
         summary="a test's method",
+        exact=True,
     )
     monkeypatch.setitem(methods.TABLE, "fake", row)
     return built
@@ -78,7 +79,7 @@ def test_a_method_added_as_one_row_reaches_python_the_cli_and_http(
         refused = client.post("/v1/completions", json=body | {"method": "beam"})
     assert refused.status_code == 400
     assert refused.json()["error"]["param"] == "method"
-    assert "ar, sd, smc, msd, fake" in refused.json()["error"]["message"]
+    assert "ar, sd, smc, msd, auto, fake" in refused.json()["error"]["message"]
 
 
 def test_a_method_without_potentials_refuses_one_from_every_front_end(fake_method, tiny_llm):

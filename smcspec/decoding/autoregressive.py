@@ -9,7 +9,9 @@ from smcspec.config import SamplingConfig
 from smcspec.decoding.base import (
     ARStats,
     DecodeResult,
+    SharedCaches,
     StageClock,
+    Step,
     Watch,
     check_prompt,
     pending,
@@ -18,7 +20,7 @@ from smcspec.decoding.base import (
 )
 from smcspec.decoding.guide import Guide
 from smcspec.decoding.logprobs import TokenLogprobs, score, to_host
-from smcspec.models.base import CausalLM
+from smcspec.models.base import CausalLM, KVCache
 from smcspec.potentials import Potential
 
 
@@ -55,16 +57,14 @@ class AutoregressiveDecoder:
             new: list[int] = []
             while len(new) < sampling_cfg.max_new_tokens:
                 with clock.stage("verify"):
-                    logits = self.target.forward(pending(seq, cache), cache, 1)[:, -1:]
-                    adjusted = sampling.scores(logits, sampling_cfg, [seq], len(prompt))[:, 0]
-                    logp = sampling.tempered(adjusted, sampling_cfg, sampling_cfg.temperature)
+                    adjusted, logp = self.laws(seq, cache, sampling_cfg, len(prompt))
                 law = logp  # [1, V] the target's, which logprobs report
                 if guide is not None:  # potentials live on the host
                     greedy = sampling_cfg.temperature == 0  # the law has lost all but its arg-max
                     logp, norm = guide.shaped([0], (adjusted if greedy else logp).cpu(), greedy)
                     if torch.isneginf(norm).all():
                         raise guide.dead_end()
-                token, scored = self._draw(logp, law, sampling_cfg.logprobs, generator)
+                token, scored = self.draw(logp, law, sampling_cfg.logprobs, generator)
                 if scored is not None:
                     scores.append(scored)
                 if guide is not None:
@@ -86,7 +86,38 @@ class AutoregressiveDecoder:
         logprobs = TokenLogprobs.join(scores) if sampling_cfg.logprobs is not None else None
         return DecodeResult(new, len(new), seconds, split, stats, logprobs=logprobs)
 
-    def _draw(
+    def step(
+        self,
+        seq: torch.Tensor,
+        caches: SharedCaches,
+        remaining: int,
+        s: SamplingConfig,
+        generator: torch.Generator,
+        clock: StageClock,
+        prompt_len: int,
+    ) -> Step:
+        """One token for auto over its shared caches (see `base.Step`); no potential (auto runs
+        smc for one). The caches are left holding the committed text in one row."""
+        if self.potential is not None:
+            raise ValueError("ar's step takes no potential")
+        with clock.stage("verify"):
+            _, logp = self.laws(seq, caches.rows(caches.target, 1), s, prompt_len)
+        token, scored = self.draw(logp, logp, s.logprobs, generator)
+        caches.restart(seq.shape[1] + 1, 1)
+        done = s.stop_at_eos and token in self.target.eos_token_ids
+        return Step([token], done, 0, 0, torch.zeros(0, dtype=torch.float64), scored)
+
+    def laws(
+        self, seq: torch.Tensor, cache: KVCache, s: SamplingConfig, prompt_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's next-token scores after the adjustments (penalties, bias) and its law
+        (log-probabilities after temperature and truncation), [1, V] each, at the end of seq
+        [1, T] (the prompt, prompt_len tokens, and the text so far)."""
+        logits = self.target.forward(pending(seq, cache), cache, 1)[:, -1:]
+        adjusted = sampling.scores(logits, s, [seq], prompt_len)[:, 0]
+        return adjusted, sampling.tempered(adjusted, s, s.temperature)
+
+    def draw(
         self, logp: torch.Tensor, law: torch.Tensor, top: int | None, generator: torch.Generator
     ) -> tuple[int, TokenLogprobs | None]:
         """The next token, drawn from logp [1, V], and (when `top` asks for them) its

@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import torch
 
@@ -69,7 +69,9 @@ class SMCStats(Stats):
     # adjusted laws of target and draft, a potential's shaping left out (as sd would test them)
     draft_agreement: float | None = None
     agreement_positions: int = 0  # the (particle, position) pairs averaged
-    _omit_unset = ("valid_particles", "potential_errors")
+    # when auto chose smc (with a potential): the setting, as `AutoStats.settings` reports it
+    settings: list[dict[str, Any]] | None = None
+    _omit_unset = ("valid_particles", "potential_errors", "settings")
 
 
 @dataclass
@@ -146,11 +148,72 @@ class StageClock:
         finally:
             self._spent[name] += time.perf_counter() - t0
 
+    def spent(self) -> dict[str, float]:
+        """Seconds each named stage has taken so far."""
+        return dict(self._spent)
+
+    def add(self, seconds: dict[str, float]) -> None:
+        """Count stage seconds spent elsewhere (a decoder run inside this one's time)."""
+        for name, value in seconds.items():
+            self._spent[name] += value
+
     def finish(self) -> tuple[float, dict[str, float]]:
         total = time.perf_counter() - self._start
         split = dict(self._spent)
         split["other"] = max(0.0, total - sum(split.values()))
         return total, split
+
+
+class Step(NamedTuple):
+    """One round of an exact method run by `step` (for auto): the committed tokens, whether an
+    EOS ended decoding, the drafts checked and accepted, `agreement` at the drafts checked, and
+    the tokens' scores when asked for."""
+
+    block: list[int]
+    done: bool
+    checked: int
+    accepted: int
+    agreement: torch.Tensor
+    scored: TokenLogprobs | None
+
+
+class SharedCaches:
+    """The target's and the draft's caches of a decode whose rounds change method (auto): each
+    holds the committed text (or lags behind it: a round feeds what a cache has not seen) in as
+    many rows as the last round left, every row the same text. The draft's is made (its prefix
+    fed) when a round first drafts; `held` (see `released`) frees both."""
+
+    def __init__(
+        self, target: CausalLM, draft: CausalLM, seq: torch.Tensor, held: list[KVCache]
+    ) -> None:
+        self._models = (target, draft)
+        self._held = held
+        self.target = start_cache(target, seq, 1, held)
+        self._draft: KVCache | None = None
+
+    def draft(self, seq: torch.Tensor) -> KVCache:
+        """The draft's cache; made from seq [T] (the committed text) the first time."""
+        if self._draft is None:
+            self._draft = start_cache(self._models[1], seq, 1, held=self._held)
+        return self._draft
+
+    @staticmethod
+    def rows(cache: KVCache, rows: int) -> KVCache:
+        """cache with `rows` rows, copies of its first (they all hold the same text)."""
+        if cache.batch_size != rows:
+            cache.select(torch.zeros(rows, dtype=torch.long))
+        return cache
+
+    def made(self) -> list[KVCache]:
+        return [c for c in (self.target, self._draft) if c is not None]
+
+    def restart(self, seq_len: int, rows: int, winner: int = 0) -> None:
+        """After a round: crop every cache to the committed text's seq_len - 1 (`rollback`) and
+        give it `rows` rows, each a copy of row `winner` (page tables, no copy)."""
+        for cache in self.made():
+            rollback(cache, seq_len)
+            if cache.batch_size != rows or winner != 0:
+                cache.select(torch.full((rows,), winner, dtype=torch.long))
 
 
 def check_prompt(prompt: list[int], model: CausalLM) -> None:

@@ -24,6 +24,7 @@ from smcspec.config import (
     MAX_PARTICLES,
     SAMPLING_FIELDS,
     ARConfig,
+    AutoConfig,
     DecodingConfig,
     MSDConfig,
     SamplingConfig,
@@ -31,6 +32,7 @@ from smcspec.config import (
     SettingError,
     SMCConfig,
 )
+from smcspec.decoding.auto import AutoDecoder, Tuner
 from smcspec.decoding.autoregressive import AutoregressiveDecoder
 from smcspec.decoding.base import Decoder
 from smcspec.decoding.msd import MultiDraftDecoder
@@ -40,8 +42,9 @@ from smcspec.decoding.speculative import SpeculativeDecoder
 from smcspec.models.base import CausalLM
 from smcspec.potentials import Potential
 
-# (target, draft, settings, potential) -> the decoder of one request
-MakeDecoder = Callable[[CausalLM, CausalLM, Any, Potential | None], Decoder]
+# (target, draft, settings, potential, tuner) -> the decoder of one request; the tuner (the
+# engine's `engine.tuning.Tuner`) is what auto chooses with, None where no auto runs
+MakeDecoder = Callable[[CausalLM, CausalLM, Any, Potential | None, Tuner | None], Decoder]
 
 
 @dataclass(frozen=True)
@@ -49,17 +52,21 @@ class Method:
     """One decoding method. `kv_rows(config)`: the sequences a request keeps in the target's and
     the draft's KV cache; `lookahead(config)`: draft tokens a round writes past the last committed
     token; `tokens_per_round(config, a)`: the tokens a round commits in expectation at acceptance
-    probability a (see `round_tokens`); `potentials`: whether a potential may be given (sd
-    samples p exactly by rejection and cannot take one)."""
+    probability a (see `round_tokens`; None for auto, which is no one setting); `potentials`:
+    whether a potential may be given (sd samples p exactly by rejection and cannot take one);
+    `exact`: whether the output's law is the target's (auto's by default, `AutoConfig.exact`);
+    `chooses`: whether it picks other rows' settings with the engine's tuner (auto)."""
 
     name: str
     config: type
     decoder: MakeDecoder
     kv_rows: Callable[[Any], tuple[int, int]]
     lookahead: Callable[[Any], int]
-    tokens_per_round: Callable[[Any, float], float]
+    tokens_per_round: Callable[[Any, float], float] | None
     potentials: bool
     summary: str
+    exact: bool
+    chooses: bool = False
 
     @property
     def settings(self) -> tuple[str, ...]:
@@ -73,37 +80,48 @@ TABLE: dict[str, Method] = {
         Method(
             "ar",
             ARConfig,
-            lambda target, draft, config, potential: AutoregressiveDecoder(target, potential),
+            lambda target, draft, config, potential, tuner: AutoregressiveDecoder(
+                target, potential
+            ),
             kv_rows=lambda config: (1, 0),
             lookahead=lambda config: 0,
             tokens_per_round=lambda config, a: 1.0,
             potentials=True,
             summary="autoregressive: one target step per token, the reference",
+            exact=True,
         ),
         Method(
             "sd",
             SDConfig,
-            lambda target, draft, config, potential: SpeculativeDecoder(target, draft, config),
+            lambda target, draft, config, potential, tuner: SpeculativeDecoder(
+                target, draft, config
+            ),
             kv_rows=lambda config: (1, 1),
             lookahead=lambda config: config.draft_tokens,
             tokens_per_round=lambda config, a: sd_tokens_per_round(a, config.draft_tokens),
             potentials=False,
             summary="speculative decoding: K draft tokens a round, exact by rejection sampling",
+            exact=True,
         ),
         Method(
             "smc",
             SMCConfig,
-            lambda target, draft, config, potential: SMCDecoder(target, draft, config, potential),
+            lambda target, draft, config, potential, tuner: SMCDecoder(
+                target, draft, config, potential
+            ),
             kv_rows=lambda config: (config.particles, config.particles),
             lookahead=lambda config: config.draft_tokens,
             tokens_per_round=lambda config, a: config.draft_tokens + 1.0,
             potentials=True,
             summary="SMC speculative decoding: N particles of K draft tokens, weighted, resampled",
+            exact=False,
         ),
         Method(
             "msd",
             MSDConfig,
-            lambda target, draft, config, potential: MultiDraftDecoder(target, draft, config),
+            lambda target, draft, config, potential, tuner: MultiDraftDecoder(
+                target, draft, config
+            ),
             kv_rows=lambda config: (config.particles, config.particles),
             lookahead=lambda config: config.draft_tokens,
             tokens_per_round=lambda config, a: msd_tokens_per_round(
@@ -111,15 +129,43 @@ TABLE: dict[str, Method] = {
             ),
             potentials=False,
             summary="multi-draft speculative decoding: N drafts of K tokens a round, exact",
+            exact=True,
+        ),
+        Method(
+            "auto",
+            AutoConfig,
+            lambda target, draft, config, potential, tuner: AutoDecoder(
+                target,
+                draft,
+                config,
+                potential,
+                _need(tuner),
+                lambda chosen, phi: row_of(chosen).decoder(target, draft, chosen, phi, None),
+            ),
+            # the most any setting it may pick keeps and drafts
+            kv_rows=lambda config: (config.max_particles, config.max_particles),
+            lookahead=lambda config: config.max_draft_tokens,
+            tokens_per_round=None,
+            potentials=True,
+            summary="the fastest of ar, sd and msd for this request (smc too with approximate), "
+            "from measured costs, chosen again as it runs",
+            exact=True,
+            chooses=True,
         ),
     )
 }
-# None as the method: the fastest measured (README, "Speed on this machine"), or the default
-# method that can take the potential a request gives.
-DEFAULT = "sd"
-DEFAULT_WITH_POTENTIAL = "smc"
-# Settings that belong to no method's config but to how the converter reads them.
-CONVERTER_FIELDS = ("method", "allow_large")
+# None as the method: auto, which picks the fastest setting (smc's N and K with a potential).
+DEFAULT = "auto"
+DEFAULT_WITH_POTENTIAL = "auto"
+# Settings that belong to no method's config but to how the converter reads them:
+# `approximate` is `exact`'s opposite, as the CLI (--approximate) and HTTP bodies spell it.
+CONVERTER_FIELDS = ("method", "allow_large", "approximate")
+
+
+def _need(tuner: Tuner | None) -> Tuner:
+    if tuner is None:
+        raise ValueError("auto needs a tuner (the engine's, `LLM.tuner`) to choose with")
+    return tuner
 
 
 def method_names() -> tuple[str, ...]:
@@ -155,7 +201,7 @@ def kv_rows(decoding: DecodingConfig) -> tuple[int, int]:
 
 
 def resolve(method: str | None, has_potential: bool = False) -> Method:
-    """The row of `method`; None: sd, or smc when a potential is given."""
+    """The row of `method`; None: the default (auto, with or without a potential)."""
     if method is None:
         method = DEFAULT_WITH_POTENTIAL if has_potential else DEFAULT
     return method_row(method)
@@ -180,6 +226,7 @@ def configs_from_fields(
     unknown = sorted(set(given) - known)
     if unknown:
         raise TypeError(f"unknown setting {unknown[0]!r}")
+    given = _exact_of(given)
     chosen = resolve(given.get("method"), has_potential)
     sampling = SamplingConfig(
         **{k: v for k, v in given.items() if k in SAMPLING_FIELDS and v is not None}
@@ -191,6 +238,23 @@ def configs_from_fields(
     for config in configs.values():
         _check_particles(config, bool(given.get("allow_large")))
     return configs[chosen.name], sampling
+
+
+def _exact_of(given: Mapping[str, Any]) -> dict[str, Any]:
+    """given with `approximate` turned into `exact` (its opposite)."""
+    out = dict(given)
+    approximate = out.pop("approximate", None)
+    if approximate is None:
+        return out
+    if not isinstance(approximate, bool):
+        raise SettingError(f"approximate must be true or false, got {approximate!r}", "approximate")
+    if out.get("exact") is not None and out["exact"] == approximate:
+        raise SettingError(
+            f"exact={out['exact']} and approximate={approximate} contradict each other",
+            "approximate",
+        )
+    out["exact"] = not approximate
+    return out
 
 
 def _check_particles(config: Any, allow_large: bool) -> None:

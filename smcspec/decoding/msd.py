@@ -46,7 +46,9 @@ from smcspec.decoding.agreement import Tally, agreement
 from smcspec.decoding.base import (
     DecodeResult,
     MSDStats,
+    SharedCaches,
     StageClock,
+    Step,
     Watch,
     check_prompt,
     pending,
@@ -104,7 +106,7 @@ class MultiDraftDecoder:
             done = stopped = False
             while not done and len(new) < s.max_new_tokens:
                 k = min(self.config.draft_tokens, s.max_new_tokens - len(new) - 1)
-                r = self._round(seq, caches, k, s, generator, clock, len(prompt))
+                r = self.round(seq, caches, k, s, generator, clock, len(prompt))
                 walked.append((k, r.depth))
                 accepted += r.kept
                 agreed.add(r.agreement)
@@ -114,7 +116,7 @@ class MultiDraftDecoder:
                     scores.append(r.scored)
                 seq = torch.cat([seq, torch.tensor([r.block])], dim=1)
                 last = done or len(new) >= s.max_new_tokens
-                self._restart(caches, seq.shape[1], None if last else r.winner)
+                self.restart(caches, seq.shape[1], None if last else r.winner)
                 if not done and watch is not None and watch(new):
                     stopped = done = True
         seconds, split = clock.finish()
@@ -122,7 +124,28 @@ class MultiDraftDecoder:
         stats = _stats(stopped, accepted, walked, len(new), agreed)
         return DecodeResult(new, len(walked), seconds, split, stats, logprobs=logprobs)
 
-    def _round(
+    def step(
+        self,
+        seq: torch.Tensor,
+        caches: SharedCaches,
+        remaining: int,
+        s: SamplingConfig,
+        generator: torch.Generator,
+        clock: StageClock,
+        prompt_len: int,
+    ) -> Step:
+        """One round for auto over its shared caches (see `base.Step`), at most `remaining`
+        tokens; the caches are left holding the committed text in N rows (the winner's)."""
+        n = self.config.particles
+        with clock.stage("prefill"):
+            draft_cache = caches.draft(seq[0])
+        pair = (caches.rows(caches.target, n), caches.rows(draft_cache, n))
+        k = min(self.config.draft_tokens, remaining - 1)
+        r = self.round(seq, pair, k, s, generator, clock, prompt_len)
+        caches.restart(seq.shape[1] + len(r.block), n, r.winner)
+        return Step(r.block, r.done, r.agreement.numel(), r.kept, r.agreement, r.scored)
+
+    def round(
         self,
         seq: torch.Tensor,
         caches: tuple[KVCache, KVCache],
@@ -132,7 +155,9 @@ class MultiDraftDecoder:
         clock: StageClock,
         prompt_len: int,
     ) -> Round:
-        """One round from seq [1, T], the text every row holds."""
+        """One round from seq [1, T] (the prompt, prompt_len tokens, and the text so far), which
+        every row of both caches holds; the caller restarts the rows from the winner's after it
+        (`restart`)."""
         t_cache, d_cache = caches
         seqs = seq.expand(self.config.particles, -1)  # [N, T]: every row holds the same text
         with clock.stage("draft"):
@@ -201,7 +226,7 @@ class MultiDraftDecoder:
             return path[: end + 1], end + 1, True
         return path[: depth + 1], depth, path[depth] in eos
 
-    def _restart(self, caches: tuple[KVCache, KVCache], seq_len: int, winner: int | None) -> None:
+    def restart(self, caches: tuple[KVCache, KVCache], seq_len: int, winner: int | None) -> None:
         """Every row restarts from the accepted path, which the winner's rows hold: cropped to
         the committed tokens, then forked N times (by page tables). None: the last round."""
         for cache in caches:

@@ -17,6 +17,8 @@ under a constraint), the round is replaced by one exact target step; `collapses`
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
 from smcspec import sampling
@@ -87,11 +89,21 @@ class SMCDecoder:
         sampling_cfg: SamplingConfig,
         generator: torch.Generator,
         watch: Watch | None = None,
+        *,
+        generated: Sequence[int] = (),
+        stop_when: Callable[[Population], bool] | None = None,
     ) -> DecodeResult:
-        check_prompt(prompt, self.target)
+        """`Decoder.decode`, and two hooks for `decoding.auto`, which hands a request over part
+        way: `generated`, tokens already generated after the prompt (the particles start from
+        them, and penalties count them as generated; the result holds only what follows), and
+        `stop_when(population)`, asked after every round whether to stop there (the answer is
+        then drawn from the particles as at the end)."""
+        check_prompt([*prompt, *generated], self.target)
         guide = self._guide(sampling_cfg)
         try:
-            return self._decode(prompt, sampling_cfg, generator, watch, guide)
+            return self._decode(
+                prompt, sampling_cfg, generator, watch, guide, list(generated), stop_when
+            )
         finally:
             guide.release()  # even if the job's error (and its frames) is kept
 
@@ -107,10 +119,13 @@ class SMCDecoder:
         generator: torch.Generator,
         watch: Watch | None,
         guide: RoundGuide,
+        generated: list[int],
+        stop_when: Callable[[Population], bool] | None,
     ) -> DecodeResult:
         clock = StageClock()
         n = self.config.particles
-        prompt_t = torch.tensor(prompt, dtype=torch.long)
+        # the particles' shared start; penalties count from the prompt's end
+        prompt_t = torch.tensor([*prompt, *generated], dtype=torch.long)
         pop = Population.start(n, sampling_cfg.max_new_tokens, sampling_cfg.logprobs)
         with released() as held:
             with clock.stage("prefill"):
@@ -121,12 +136,16 @@ class SMCDecoder:
             rounds = 0
             stopped = False
             while pop.live.numel() > 0 and pop.generated < sampling_cfg.max_new_tokens:
-                self._round(pop, prompt_t, caches, sampling_cfg, generator, clock, guide)
+                self._round(
+                    pop, prompt_t, len(prompt), caches, sampling_cfg, generator, clock, guide
+                )
                 rounds += 1
                 if torch.isneginf(pop.log_w).all():
                     break  # every particle died (only a potential can kill them all)
                 if watch is not None and watch(pop.common_prefix()):
                     stopped = True
+                    break
+                if stop_when is not None and stop_when(pop):
                     break
         cut = pop.cut()  # before the final factors, which zero the incomplete
         guide.finish(pop)
@@ -164,26 +183,27 @@ class SMCDecoder:
         self,
         pop: Population,
         prompt: torch.Tensor,
+        prompt_len: int,
         caches: tuple[KVCache, KVCache],
         s: SamplingConfig,
         generator: torch.Generator,
         clock: StageClock,
         guide: RoundGuide,
     ) -> None:
+        """One round from prompt [L] (the particles' shared start: the prompt, whose first
+        prompt_len tokens penalties leave out, and the tokens generated before the decode)."""
         t_cache, d_cache = caches
         k = min(self.config.draft_tokens, s.max_new_tokens - pop.generated - 1)
         seqs = pop.live_sequences(prompt)  # [B, L + G]
         guide.begin(pop.live.tolist())
         with clock.stage("draft"):
-            drafts, logq_x, logq = self._propose(
-                seqs, d_cache, k, s, generator, guide, prompt.numel()
-            )
+            drafts, logq_x, logq = self._propose(seqs, d_cache, k, s, generator, guide, prompt_len)
         with clock.stage("verify"):
             feed = torch.cat([sampling.to_device(pending(seqs, t_cache), drafts.device), drafts], 1)
             logits = self.target.forward(feed, t_cache, k + 1)  # [B, k + 1, V]
             if guide.on_host:
                 logits = logits.cpu()
-            scores = sampling.scores(logits, s, [seqs, drafts], prompt.numel())
+            scores = sampling.scores(logits, s, [seqs, drafts], prompt_len)
             logp = sampling.tempered(scores, s, s.temperature)  # [B, k + 1, V], for logprobs
             law = guide.target(logp, scores)  # what the weights use (greedy: p constrained)
             # no-ops but for k = 0, whose empty drafts never met the device

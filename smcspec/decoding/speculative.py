@@ -8,6 +8,8 @@ distributed exactly as p's.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from smcspec import sampling
@@ -16,7 +18,9 @@ from smcspec.decoding.agreement import Tally, agreement
 from smcspec.decoding.base import (
     DecodeResult,
     SDStats,
+    SharedCaches,
     StageClock,
+    Step,
     Watch,
     check_prompt,
     pending,
@@ -25,7 +29,19 @@ from smcspec.decoding.base import (
     start_cache,
 )
 from smcspec.decoding.logprobs import TokenLogprobs, score, to_host
-from smcspec.models.base import CausalLM
+from smcspec.models.base import CausalLM, KVCache
+
+
+class SDRound(NamedTuple):
+    """One round's outcome: the committed tokens, the drafts accepted and checked, whether an
+    EOS ended decoding, `agreement` at the drafts checked, their scores when asked for."""
+
+    block: list[int]
+    accepted: int
+    checked: int
+    done: bool
+    agreement: torch.Tensor
+    scored: TokenLogprobs | None
 
 
 class SpeculativeDecoder:
@@ -56,26 +72,16 @@ class SpeculativeDecoder:
             agreed = Tally()
             while not done and len(new) < s.max_new_tokens:
                 k = min(self.config.draft_tokens, s.max_new_tokens - len(new) - 1)
-                with clock.stage("draft"):
-                    drafts, logq = self._propose(seq, d_cache, k, s, generator, len(prompt))
-                with clock.stage("verify"):
-                    head = sampling.to_device(pending(seq, t_cache), drafts.device)
-                    feed = torch.cat([head, drafts[None]], 1)
-                    logits = self.target.forward(feed, t_cache, k + 1)  # [1, k + 1, V]
-                    context = [seq, drafts[None]]
-                    logp = sampling.law(logits, s, s.temperature, context, len(prompt))[0]
-                block, n_accepted, n_checked, done, agree = self._accept(
-                    drafts, logq, logp, s, generator
-                )
-                agreed.add(agree)
+                r = self.round(seq, (t_cache, d_cache), k, s, generator, clock, len(prompt))
+                agreed.add(r.agreement)
                 rounds += 1
-                proposed += n_checked
-                accepted_total += n_accepted
-                block = block[: s.max_new_tokens - len(new)]
-                if s.logprobs is not None:  # block[i] was drawn at position i of the round
-                    scores.append(_score(logp[: len(block)], block, s.logprobs))
-                new.extend(block)
-                seq = torch.cat([seq, torch.tensor([block])], dim=1)
+                proposed += r.checked
+                accepted_total += r.accepted
+                done = r.done
+                if r.scored is not None:
+                    scores.append(r.scored)
+                new.extend(r.block)
+                seq = torch.cat([seq, torch.tensor([r.block])], dim=1)
                 rollback(t_cache, seq.shape[1])
                 rollback(d_cache, seq.shape[1])
                 if not done and watch is not None and watch(new):
@@ -93,6 +99,52 @@ class SpeculativeDecoder:
             agreement_positions=agreed.positions,
         )
         return DecodeResult(new, rounds, seconds, split, stats, logprobs=logprobs)
+
+    def step(
+        self,
+        seq: torch.Tensor,
+        caches: SharedCaches,
+        remaining: int,
+        s: SamplingConfig,
+        generator: torch.Generator,
+        clock: StageClock,
+        prompt_len: int,
+    ) -> Step:
+        """One round for auto over its shared caches (see `base.Step`), at most `remaining`
+        tokens; the caches are left holding the committed text in one row."""
+        with clock.stage("prefill"):
+            draft_cache = caches.draft(seq[0])
+        pair = (caches.rows(caches.target, 1), caches.rows(draft_cache, 1))
+        k = min(self.config.draft_tokens, remaining - 1)
+        r = self.round(seq, pair, k, s, generator, clock, prompt_len)
+        caches.restart(seq.shape[1] + len(r.block), 1)
+        return Step(r.block, r.done, r.checked, r.accepted, r.agreement, r.scored)
+
+    def round(
+        self,
+        seq: torch.Tensor,
+        caches: tuple[KVCache, KVCache],
+        k: int,
+        s: SamplingConfig,
+        generator: torch.Generator,
+        clock: StageClock,
+        prompt_len: int,
+    ) -> SDRound:
+        """One round of K drafts from seq [1, T] (the prompt, prompt_len tokens, and the text so
+        far), over one row of each cache; the caller crops them (`rollback`) after it."""
+        t_cache, d_cache = caches
+        with clock.stage("draft"):
+            drafts, logq = self._propose(seq, d_cache, k, s, generator, prompt_len)
+        with clock.stage("verify"):
+            head = sampling.to_device(pending(seq, t_cache), drafts.device)
+            feed = torch.cat([head, drafts[None]], 1)
+            logits = self.target.forward(feed, t_cache, k + 1)  # [1, k + 1, V]
+            context = [seq, drafts[None]]
+            logp = sampling.law(logits, s, s.temperature, context, prompt_len)[0]
+        block, n_accepted, n_checked, done, agree = self._accept(drafts, logq, logp, s, generator)
+        # block[i] was drawn at position i of the round
+        scored = None if s.logprobs is None else _score(logp[: len(block)], block, s.logprobs)
+        return SDRound(block, n_accepted, n_checked, done, agree, scored)
 
     def _propose(
         self,

@@ -5,6 +5,7 @@ passes over), and the method table's readers (`decoding.methods`: the methods' n
 and the one converter from loose settings to typed configs). The command lines, the server and
 the benchmarks import from here."""
 
+from smcspec.decoding.auto import AutoStats
 from smcspec.decoding.base import ARStats, MSDStats, SDStats, SMCStats, Stats, start_cache
 from smcspec.decoding.methods import (
     configs_from_fields,
@@ -30,6 +31,7 @@ __all__ = [
     "DTYPES",
     "LLM",
     "ARStats",
+    "AutoStats",
     "CausalLM",
     "GenerationResult",
     "MSDStats",

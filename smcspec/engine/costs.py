@@ -296,6 +296,8 @@ def round_cost(
     if not (isinstance(a, int | float) and 0 <= a <= 1):
         raise ValueError(f"a (the acceptance probability) must be in [0, 1], got {a!r}")
     row = method_row(method)
+    if row.tokens_per_round is None:
+        raise ValueError(f"{method!r} is no one setting: price the settings it chooses from")
     if not isinstance(config, row.config):
         raise ValueError(f"{method!r} takes a {row.config.__name__}, got {config!r}")
     k = row.lookahead(config)

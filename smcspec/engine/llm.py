@@ -20,10 +20,12 @@ from smcspec.config import DecodingConfig, EngineLimits, SamplingConfig, Setting
 from smcspec.decoding import Decoder, DecodeResult, methods
 from smcspec.decoding.base import Stats, Watch
 from smcspec.decoding.logprobs import TokenLogprobs, score_prompt
+from smcspec.engine import costs
 from smcspec.engine.loading import load_pair
 from smcspec.engine.request import Request, build_potential
 from smcspec.engine.scheduler import Job, Scheduler
 from smcspec.engine.text import TextStream, check_stops
+from smcspec.engine.tuning import Tuner
 from smcspec.models.base import CausalLM
 from smcspec.potentials import Potential
 
@@ -97,6 +99,8 @@ class LLM:
         )
         self._setup(pair.target, pair.draft, pair.tokenizer)
         self.names, self.backend, self.dtype = pair.names, pair.backend, pair.dtype
+        # auto's costs: profiled on its first choice, once per machine and pair (then cached)
+        self.tuner = Tuner(lambda: costs.profile(self, cache_dir=cache_dir))
 
     @classmethod
     def from_models(
@@ -119,6 +123,8 @@ class LLM:
         llm._setup(target, draft, tokenizer)
         llm.names = (type(target).__name__, type(draft).__name__)
         llm.backend, llm.dtype = "custom", "custom"
+        # models built elsewhere have no name to cache their costs under: measured, not cached
+        llm.tuner = Tuner(lambda: costs.measure(target, draft))
         return llm
 
     def _setup(self, target: CausalLM, draft: CausalLM, tokenizer: Any) -> None:
@@ -346,7 +352,7 @@ class LLM:
         forward passes with other requests' (see `engine.scheduler`). `on_text` gets the text
         as it can no longer change, in pieces that add up to the result's text."""
         target, draft = models if models is not None else (self.target, self.draft)
-        decoder = make_decoder(request.decoding, target, draft, request.potential)
+        decoder = make_decoder(request.decoding, target, draft, request.potential, self.tuner)
         text = TextStream(self.decode_text, request.stops)
 
         def watch_text(tokens: list[int]) -> bool:
@@ -375,7 +381,11 @@ class LLM:
         watch: Watch | None = None,
         on_text: Callable[[str], None] | None = None,
     ) -> Job:
-        """`request` as a scheduler job: `run` against the scheduler's batching model views."""
+        """`request` as a scheduler job: `run` against the scheduler's batching model views. An
+        auto request's costs are profiled here, before the job joins the scheduler, whose
+        thread alone may run passes once it does."""
+        if methods.row_of(request.decoding).chooses:
+            _ = self.tuner.costs
         return Job(
             lambda views: self.run(request, views, watch, on_text),
             request.kv_rows(),
@@ -418,7 +428,12 @@ class LLM:
 
 
 def make_decoder(
-    decoding: DecodingConfig, target: CausalLM, draft: CausalLM, potential: Potential | None
+    decoding: DecodingConfig,
+    target: CausalLM,
+    draft: CausalLM,
+    potential: Potential | None,
+    tuner: Tuner | None = None,
 ) -> Decoder:
-    """The decoder a config's type names (its row of `decoding.methods`)."""
-    return methods.row_of(decoding).decoder(target, draft, decoding, potential)
+    """The decoder a config's type names (its row of `decoding.methods`); auto's chooses with
+    `tuner`."""
+    return methods.row_of(decoding).decoder(target, draft, decoding, potential, tuner)

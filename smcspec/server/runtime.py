@@ -82,7 +82,7 @@ def error_body(
 @dataclass(frozen=True)
 class ServeDefaults:
     """Server-wide settings; each request may override the decoding ones. None: the engine's
-    defaults (`smcspec.config`: sd, or smc for a request with a potential; each method's K).
+    defaults (auto, or smc at auto's N and K for a request with a potential; each method's K).
     `http`: the HTTP server's limits (body size, timeouts); the engine's (requests at once,
     tokens a pass, the KV pool) are the LLM's, `llm.limits`.
     `api_key`: when set, every route but /health needs `Authorization: Bearer <api_key>`; it is
@@ -94,6 +94,7 @@ class ServeDefaults:
     draft_tokens: int | None = None
     resample_threshold: float = SMCConfig.resample_threshold
     resampling: str = SMCConfig.resampling
+    approximate: bool | None = None
     temperature: float = SERVER_TEMPERATURE
     max_tokens: int = SamplingConfig.max_new_tokens
     http: HTTPLimits = field(default_factory=HTTPLimits)
@@ -112,7 +113,14 @@ class ServeDefaults:
     def method_settings(self) -> dict[str, Any]:
         """The decoding settings a request falls back on, named as `configs_from_fields` reads
         them."""
-        names = ("method", "particles", "draft_tokens", "resample_threshold", "resampling")
+        names = (
+            "method",
+            "particles",
+            "draft_tokens",
+            "resample_threshold",
+            "resampling",
+            "approximate",
+        )
         return {name: getattr(self, name) for name in names}
 
 

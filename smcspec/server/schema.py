@@ -84,6 +84,8 @@ class GenerationFields(BaseModel):
     draft_tokens: int | None = None
     resample_threshold: float | None = None
     resampling: str | None = Field(None, json_schema_extra={"enum": list(RESAMPLING_SCHEMES)})
+    # auto (the default method) may choose smc too
+    approximate: bool | None = None
     power_alpha: float | None = Field(None, gt=0, le=64)
     draft_temperature: float | None = Field(None, ge=0, le=2)
     top_k: int | None = Field(None, ge=0)

@@ -162,14 +162,14 @@ def test_rows_restart_from_the_winner(target, far_draft):
     draft's may lag one more): a row left on a losing draft would feed the next round a wrong
     prefix (the toy cache holds the prefixes themselves). The winner is not always row 0."""
     dec = MultiDraftDecoder(target, far_draft, MSDConfig(4, 3))
-    restart, seen = dec._restart, []
+    restart, seen = dec.restart, []
 
     def spy(pair, seq_len, winner):
         restart(pair, seq_len, winner)
         if winner is not None:
             seen.append((winner, seq_len, [list(cache.rows) for cache in pair]))
 
-    dec._restart = spy
+    dec.restart = spy
     cfg = SamplingConfig(1.0, draft_temperature=1.5, max_new_tokens=12, stop_at_eos=False)
     winners = []
     for seed in range(10):
@@ -236,9 +236,9 @@ def test_msd_reaches_its_config_from_python_the_cli_and_http(tiny_llm, monkeypat
     built: list[MSDConfig] = []
     row = methods.TABLE["msd"]
 
-    def decoder(target, draft, config, potential):
+    def decoder(target, draft, config, potential, tuner):
         built.append(config)
-        return row.decoder(target, draft, config, potential)
+        return row.decoder(target, draft, config, potential, tuner)
 
     monkeypatch.setitem(methods.TABLE, "msd", dataclasses.replace(row, decoder=decoder))
     out = tiny_llm.generate("w1 w2", "msd", particles=3, draft_tokens=2, max_new_tokens=4, seed=0)

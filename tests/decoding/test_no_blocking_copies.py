@@ -63,13 +63,13 @@ READS: dict[tuple[str, str, str], tuple[str, str]] = {
         ROUND,
         "the accept tests and the final draw ran on the device; the block is cut on the host",
     ),
-    ("autoregressive.py", "AutoregressiveDecoder._draw", "sampling.to_host(token, *scored)"): (
+    ("autoregressive.py", "AutoregressiveDecoder.draw", "sampling.to_host(token, *scored)"): (
         ROUND,
         "ar's round is one token, which the next step's context needs on the host",
     ),
     (
         "msd.py",
-        "MultiDraftDecoder._round",
+        "MultiDraftDecoder.round",
         "sampling.to_host(path, depth, winner, agree, *scored)",
     ): (
         ROUND,
@@ -80,10 +80,10 @@ READS: dict[tuple[str, str, str], tuple[str, str]] = {
         HOST,
         "a setting, not a tensor",
     ),
-    ("msd.py", "MultiDraftDecoder._round", "path.tolist()"): (HOST, "read back"),
+    ("msd.py", "MultiDraftDecoder.round", "path.tolist()"): (HOST, "read back"),
     ("agreement.py", "Tally.add", "float(values.sum())"): (HOST, "read back with the round"),
-    ("msd.py", "MultiDraftDecoder._round", "int(depth)"): (HOST, "read back"),
-    ("msd.py", "MultiDraftDecoder._round", "int(winner)"): (HOST, "read back"),
+    ("msd.py", "MultiDraftDecoder.round", "int(depth)"): (HOST, "read back"),
+    ("msd.py", "MultiDraftDecoder.round", "int(winner)"): (HOST, "read back"),
     ("smc.py", "SMCDecoder._exact_step", "sampling.to_host(token, *scored)"): (
         EXTRA,
         "a collapsed round (every weight zero) is known only after the round's wait",
@@ -102,7 +102,7 @@ READS: dict[tuple[str, str, str], tuple[str, str]] = {
     ("sampling.py", "to_host", "pack(away).cpu()"): (EXTRA, "the one copy of to_host"),
     ("sampling.py", "_may_overflow", "float(lo)"): (HOST, "log_probs calls it on the CPU only"),
     ("sampling.py", "_may_overflow", "float(hi)"): (HOST, "log_probs calls it on the CPU only"),
-    ("autoregressive.py", "AutoregressiveDecoder._draw", "int(token)"): (HOST, "read back above"),
+    ("autoregressive.py", "AutoregressiveDecoder.draw", "int(token)"): (HOST, "read back above"),
     ("speculative.py", "SpeculativeDecoder._accept", "drafts.tolist()"): (HOST, "read back"),
     ("speculative.py", "SpeculativeDecoder._accept", "int(accepted)"): (HOST, "read back"),
     ("speculative.py", "SpeculativeDecoder._accept", "int(final)"): (HOST, "read back"),
@@ -139,8 +139,8 @@ COPIES = {
 ROUND_FUNCTIONS = {
     ("smc.py", "SMCDecoder._round"),
     ("speculative.py", "SpeculativeDecoder._accept"),
-    ("autoregressive.py", "AutoregressiveDecoder._draw"),
-    ("msd.py", "MultiDraftDecoder._round"),
+    ("autoregressive.py", "AutoregressiveDecoder.draw"),
+    ("msd.py", "MultiDraftDecoder.round"),
 }
 DTYPES = {"float64", "float32", "float16", "bfloat16", "double", "float", "half", "long", "int"}
 DTYPES |= {"int64", "int32", "bool", "uint8"}

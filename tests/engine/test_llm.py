@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from smcspec import LLM
+from smcspec import LLM, AutoConfig
 from smcspec.engine import check_same_tokenizer
 from smcspec.models.toy import perturbed_lm, random_lm
 
@@ -158,18 +158,23 @@ def test_each_method_reserves_its_own_lookahead():
     assert request("ar").max_length() == 3 + 10
 
 
-def test_defaults_are_the_fastest_measured_and_resolved_per_method(llm):
-    """No method: sd with K=4; smc without settings: N=2, K=8; a potential without a method:
-    smc (sd refuses potentials). An explicit K applies to whichever method runs."""
-    sd = llm.request([1])
-    assert sd.method == "sd" and sd.decoding.draft_tokens == 4 and sd.max_length() == 1 + 128 + 4
+def test_defaults_are_auto_and_resolved_per_method(llm):
+    """No method: auto, exact, room for its largest K (8); sd without settings: K=4; smc: N=2,
+    K=8; a potential without a method: auto (which runs smc). An explicit K applies to whichever
+    method runs."""
+    auto = llm.request([1])
+    assert auto.method == "auto" and auto.decoding == AutoConfig()
+    assert auto.decoding.exact and auto.max_length() == 1 + 128 + 8 and auto.kv_rows() == (4, 4)
+    assert llm.request([1], approximate=True).decoding == AutoConfig(exact=False)
+    sd = llm.request([1], "sd")
+    assert sd.decoding.draft_tokens == 4 and sd.max_length() == 1 + 128 + 4
     smc = llm.request([1], "smc")
     assert (smc.decoding.particles, smc.decoding.draft_tokens, smc.max_length()) == (2, 8, 137)
-    assert llm.request([1], power_alpha=2.0).method == "smc"
+    assert llm.request([1], power_alpha=2.0).method == "auto"
     assert llm.request([1], "ar", power_alpha=2.0).method == "ar"
     assert llm.request([1], "smc", draft_tokens=3).decoding.draft_tokens == 3
     assert llm.request([1], "sd", draft_tokens=3).decoding.draft_tokens == 3
-    assert llm.generate([1], max_new_tokens=3, seed=0).method == "sd"
+    assert llm.generate([1], max_new_tokens=3, seed=0).method == "auto"
 
 
 def test_particles_are_bounded_unless_large_is_allowed(llm):
@@ -334,8 +339,8 @@ def test_plan_takes_typed_configs_whose_type_picks_the_decoder(llm):
         # the decoder that ran, by its own diagnostics: sd's acceptance, smc's particles
         assert ("acceptance_rate" in typed.diagnostics) == isinstance(decoding, SDConfig)
         assert (typed.particle_texts is not None) == isinstance(decoding, SMCConfig)
-    assert llm.plan([1]).method == "sd"  # None: sd, or smc with a potential
-    assert llm.plan([1], potential=Power(2.0)).method == "smc"
+    assert llm.plan([1]).method == "auto"  # None: auto, with a potential too
+    assert llm.plan([1], potential=Power(2.0)).method == "auto"
     with pytest.raises(ValueError, match="cannot take potentials"):
         llm.plan([1], SDConfig(), potential=Power(2.0))
     with pytest.raises(ValueError, match="decoding must be one of ARConfig, SDConfig, SMCConfig"):

@@ -87,9 +87,9 @@ def test_serve_rejects_bad_settings_before_loading_anything(flag, value, named):
 
 
 def test_request_defaults_are_the_engines_resolved_per_request():
-    """A request that names no method gets sd with sd's K; one with a potential gets smc with
-    smc's own N and K; the lookahead kept free in the context is that method's K."""
-    from smcspec import LLM
+    """A request that names no method gets auto (exact unless it says approximate), with room
+    for auto's largest K; one with a potential gets auto too; one naming sd gets sd's K."""
+    from smcspec import LLM, AutoConfig
     from smcspec.models.toy import perturbed_lm, random_lm
     from smcspec.server.runtime import ServeDefaults, Server
     from smcspec.server.schema import CompletionRequest
@@ -97,19 +97,17 @@ def test_request_defaults_are_the_engines_resolved_per_request():
     target = random_lm(5, seed=1)
     server = Server(LLM.from_models(target, perturbed_lm(target, 2, 0.5)), ServeDefaults("m"))
     try:
-        (sd,) = server.plan(CompletionRequest(model="m", prompt=[1, 2]), [[1, 2]], "prompt")
-        assert (sd.plan.method, sd.plan.decoding.draft_tokens, sd.plan.max_length()) == (
-            "sd",
-            4,
-            134,
-        )
+        (auto,) = server.plan(CompletionRequest(model="m", prompt=[1, 2]), [[1, 2]], "prompt")
+        assert (auto.plan.decoding, auto.plan.max_length()) == (AutoConfig(), 2 + 128 + 8)
+        body = CompletionRequest(model="m", prompt=[1, 2], approximate=True)
+        (approximate,) = server.plan(body, [[1, 2]], "prompt")
+        assert approximate.plan.decoding == AutoConfig(exact=False)
         body = CompletionRequest(model="m", prompt=[1, 2], power_alpha=2.0)
         (smc,) = server.plan(body, [[1, 2]], "prompt")
-        assert (smc.plan.method, smc.plan.decoding.particles, smc.plan.decoding.draft_tokens) == (
-            "smc",
-            2,
-            8,
-        )
+        assert smc.plan.decoding == AutoConfig() and smc.plan.potential is not None
+        body = CompletionRequest(model="m", prompt=[1, 2], method="sd")
+        (sd,) = server.plan(body, [[1, 2]], "prompt")
+        assert (sd.plan.decoding.draft_tokens, sd.plan.max_length()) == (4, 2 + 128 + 4)
     finally:
         server.shutdown()
 

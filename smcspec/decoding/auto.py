@@ -1,0 +1,392 @@
+"""auto: the fastest setting for this request on this machine, chosen as it runs.
+
+Every `redecide_every` rounds a `Tuner` (the engine's, `engine.tuning`) is asked which setting
+decodes fastest now: it predicts each candidate's tokens per second from the machine's measured
+step costs and the draft's agreement with the target, a = sum_x min(p, q)(x), which every
+drafting round measures exactly at the positions it drafted (`agreement`). The rounds then run
+that setting over the request's own caches: ar, sd (one row) and msd (N rows) share one target
+cache and one draft cache, which only change their row count (page tables, no copy) and catch
+up on the tokens they have not seen with the next round's feed.
+
+Exact. A round of ar, sd or msd emits its tokens from the target's law given the prefix,
+whatever the setting, and the setting is picked from what the request has already committed
+and measured (never from the round's own draws); so every token is drawn from p given the
+tokens before it, and the output's law is p's, as for any one exact method. A seed repeats a
+decode while the tuner's costs and prior stay the same (they learn from each request: pin a
+method for outputs that a seed alone repeats).
+
+Approximate (`exact=False`): smc is a candidate too. Chosen, it takes over the rest of the
+request (its particles need caches of their own: the prefix is fed again, a cost the tuner
+weighs) and runs until the mean ESS / N of its rounds falls below `ess_floor` (after a few
+rounds), when the answer is drawn from the particles and exact rounds go on from it.
+
+With a potential, the conditional p phi / Z needs smc: the tuner picks its N and K, and smc
+decodes the whole request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol
+
+import torch
+
+from smcspec.config import AutoConfig, DecodingConfig, SamplingConfig
+from smcspec.decoding.agreement import Tally
+from smcspec.decoding.base import (
+    Decoder,
+    DecodeResult,
+    SharedCaches,
+    StageClock,
+    Stats,
+    Step,
+    Watch,
+    check_prompt,
+    released,
+)
+from smcspec.decoding.logprobs import TokenLogprobs
+from smcspec.decoding.population import Population
+from smcspec.models.base import CausalLM
+from smcspec.potentials import Potential
+
+# smc rounds before its mean ESS / N is judged: one round's ESS is a noisy figure
+ESS_ROUNDS = 4
+
+
+class Outlook(NamedTuple):
+    """What a choice is made from: the request's settings, the agreement measured so far (its
+    sum and positions: the tuner adds its prior), the setting running now (None at the start),
+    the committed length (prompt and new tokens) and the new tokens still allowed, whether an
+    approximate setting (smc) is allowed (`exact=False`, and its ESS has not failed), and the
+    rounds and tokens each setting has committed in this request."""
+
+    config: AutoConfig
+    sampling: SamplingConfig
+    has_potential: bool
+    agreement_sum: float
+    agreement_positions: int
+    current: DecodingConfig | None
+    context: int
+    remaining: int
+    approximate_allowed: bool
+    measured: Mapping[DecodingConfig, tuple[int, int]]
+
+
+class Choice(NamedTuple):
+    """A setting, its method's name, whether that method is exact, and the tokens per second
+    predicted for it."""
+
+    config: DecodingConfig
+    method: str
+    exact: bool
+    predicted: float
+
+
+class RoundTime(NamedTuple):
+    """Rounds of one setting: how many, their committed tokens and their seconds in draft steps
+    and in target passes."""
+
+    config: DecodingConfig
+    rounds: int
+    tokens: int
+    draft_seconds: float
+    target_seconds: float
+
+
+class Tuner(Protocol):
+    """Chooses settings and learns from what they cost (`engine.tuning.Tuner`)."""
+
+    def choose(self, outlook: Outlook) -> Choice: ...
+
+    def observe(self, rounds: list[RoundTime], sampling: SamplingConfig, tally: Tally) -> None:
+        """A finished request's round times and the agreement it measured."""
+
+
+class Stepper(Decoder, Protocol):
+    """An exact method's decoder, which also runs single rounds over shared caches."""
+
+    def step(
+        self,
+        seq: torch.Tensor,
+        caches: SharedCaches,
+        remaining: int,
+        s: SamplingConfig,
+        generator: torch.Generator,
+        clock: StageClock,
+        prompt_len: int,
+    ) -> Step: ...
+
+
+# (settings, potential) -> the decoder of the method whose settings they are
+MakeDecoder = Callable[[DecodingConfig, Potential | None], Any]
+
+
+@dataclass
+class AutoStats(Stats):
+    stopped: bool
+    # each setting chosen in turn: its method, N and K where it has them, the round it started
+    # at, its rounds, tokens and seconds, and its predicted and measured tokens per second
+    settings: list[dict[str, Any]]
+    rounds_by_method: dict[str, int]
+    proposed_tokens: int  # drafts checked by drafting exact rounds (as sd and msd count them)
+    accepted_tokens: int
+    draft_agreement: float | None
+    agreement_positions: int
+    ess: list[float] | None = None  # smc's rounds, when it ran
+    _omit_unset = ("ess",)
+
+
+@dataclass
+class _Segment:
+    """The rounds of one chosen setting."""
+
+    choice: Choice
+    start: int
+    rounds: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+    def report(self) -> dict[str, Any]:
+        config = self.choice.config
+        out: dict[str, Any] = {"method": self.choice.method}
+        out |= {k: getattr(config, k) for k in ("particles", "draft_tokens") if hasattr(config, k)}
+        measured = self.tokens / self.seconds if self.seconds > 0 else None
+        return out | {
+            "from_round": self.start,
+            "rounds": self.rounds,
+            "tokens": self.tokens,
+            "seconds": self.seconds,
+            "predicted_tokens_per_second": self.choice.predicted,
+            "measured_tokens_per_second": measured,
+        }
+
+
+@dataclass
+class _Run:
+    """One decode's state: the committed tokens, the counts, the segments."""
+
+    prompt: list[int]
+    s: SamplingConfig
+    approximate_allowed: bool
+    new: list[int] = field(default_factory=list)
+    rounds: int = 0
+    done: bool = False
+    stopped: bool = False
+    proposed: int = 0
+    accepted: int = 0
+    tally: Tally = field(default_factory=Tally)
+    segments: list[_Segment] = field(default_factory=list)
+    times: list[RoundTime] = field(default_factory=list)
+    measured: dict[DecodingConfig, tuple[int, int]] = field(default_factory=dict)
+    scores: list[TokenLogprobs] = field(default_factory=list)
+    ess: list[float] | None = None
+
+    @property
+    def seq(self) -> torch.Tensor:
+        return torch.tensor([self.prompt + self.new], dtype=torch.long)
+
+    @property
+    def remaining(self) -> int:
+        return self.s.max_new_tokens - len(self.new)
+
+    def commit(self, time: RoundTime, block: list[int]) -> None:
+        """Rounds of the current segment's setting that committed `block`."""
+        self.new.extend(block)
+        self.rounds += time.rounds
+        self.times.append(time)
+        segment = self.segments[-1]
+        segment.rounds += time.rounds
+        segment.tokens += len(block)
+        segment.seconds += time.draft_seconds + time.target_seconds
+        rounds, tokens = self.measured.get(time.config, (0, 0))
+        self.measured[time.config] = (rounds + time.rounds, tokens + len(block))
+
+
+class AutoDecoder:
+    """`method="auto"` (the module docstring). `make(config, potential)` builds the decoder of
+    the method a chosen config belongs to (its row of the method table); an exact one must also
+    `step`."""
+
+    def __init__(
+        self,
+        target: CausalLM,
+        draft: CausalLM,
+        config: AutoConfig,
+        potential: Potential | None,
+        tuner: Tuner,
+        make: MakeDecoder,
+    ) -> None:
+        self.target = target
+        self.draft = draft
+        self.config = config
+        self.potential = potential
+        self.tuner = tuner
+        self.make = make
+
+    def decode(
+        self,
+        prompt: list[int],
+        sampling_cfg: SamplingConfig,
+        generator: torch.Generator,
+        watch: Watch | None = None,
+    ) -> DecodeResult:
+        check_prompt(prompt, self.target)
+        clock = StageClock()
+        run = _Run(list(prompt), sampling_cfg, approximate_allowed=not self.config.exact)
+        if self.potential is not None:
+            return self._with_potential(run, generator, watch)
+        choice: Choice | None = self._choose(run, None)
+        while choice is not None and not run.done and run.remaining > 0:
+            if choice.exact:  # until the end, or until an approximate setting is chosen
+                choice = self._exact(run, choice, generator, watch, clock)
+            else:
+                self._approximate(run, choice, generator, watch, clock)
+                choice = self._choose(run, choice.config)
+        seconds, split = clock.finish()
+        self.tuner.observe(run.times, sampling_cfg, run.tally)
+        logprobs = TokenLogprobs.join(run.scores) if sampling_cfg.logprobs is not None else None
+        return DecodeResult(run.new, run.rounds, seconds, split, _stats(run), logprobs=logprobs)
+
+    def _choose(self, run: _Run, current: DecodingConfig | None) -> Choice:
+        outlook = Outlook(
+            self.config,
+            run.s,
+            self.potential is not None,
+            run.tally.total,
+            run.tally.positions,
+            current,
+            len(run.prompt) + len(run.new),
+            run.remaining,
+            run.approximate_allowed,
+            dict(run.measured),
+        )
+        choice = self.tuner.choose(outlook)
+        if not (choice.exact or run.approximate_allowed or self.potential is not None):
+            raise RuntimeError(f"the tuner chose an approximate setting where it may not: {choice}")
+        if not run.segments or run.segments[-1].choice.config != choice.config:
+            run.segments.append(_Segment(choice, run.rounds))
+        return choice
+
+    def _exact(
+        self,
+        run: _Run,
+        choice: Choice,
+        generator: torch.Generator,
+        watch: Watch | None,
+        clock: StageClock,
+    ) -> Choice | None:
+        """Rounds of exact settings over one pair of caches, re-choosing every `redecide_every`
+        rounds, until the request ends (None) or an approximate setting is chosen (its choice)."""
+        with released() as held:
+            with clock.stage("prefill"):
+                caches = SharedCaches(self.target, self.draft, run.seq[0], held)
+            since = 0
+            while not run.done and run.remaining > 0:
+                if since == self.config.redecide_every:
+                    choice, since = self._choose(run, choice.config), 0
+                    if not choice.exact:
+                        return choice
+                stepper: Stepper = self.make(choice.config, None)
+                before = clock.spent()
+                step = stepper.step(
+                    run.seq, caches, run.remaining, run.s, generator, clock, len(run.prompt)
+                )
+                after = clock.spent()
+                draft_s, target_s = (after[k] - before[k] for k in ("draft", "verify"))
+                run.commit(
+                    RoundTime(choice.config, 1, len(step.block), draft_s, target_s), step.block
+                )
+                since += 1
+                run.done = step.done
+                run.proposed += step.checked
+                run.accepted += step.accepted
+                run.tally.add(step.agreement)
+                if step.scored is not None:
+                    run.scores.append(step.scored)
+                if not run.done and watch is not None and watch(run.new):
+                    run.stopped = run.done = True
+        return None
+
+    def _approximate(
+        self,
+        run: _Run,
+        choice: Choice,
+        generator: torch.Generator,
+        watch: Watch | None,
+        clock: StageClock,
+    ) -> None:
+        """The rest of the request by an approximate (particle) setting, from the committed
+        text, until its rounds' mean ESS / N falls below the floor."""
+        floor = self.config.ess_floor * choice.config.particles
+
+        def low_ess(pop: Population) -> bool:
+            return low_ess_of(pop.ess_history, floor)
+
+        head = list(run.new)
+        result = self.make(choice.config, None).decode(
+            run.prompt,
+            dataclasses.replace(run.s, max_new_tokens=run.remaining),
+            generator,
+            None if watch is None else lambda tokens: watch(head + tokens),
+            generated=head,
+            stop_when=low_ess,
+        )
+        split = result.stage_seconds
+        clock.add({k: v for k, v in split.items() if k != "other"})
+        time = RoundTime(
+            choice.config, result.rounds, len(result.tokens), split["draft"], split["verify"]
+        )
+        run.commit(time, result.tokens)
+        run.segments[-1].seconds += split["resample"]
+        stats = result.stats
+        run.ess = (run.ess or []) + list(stats.ess)
+        if stats.draft_agreement is not None:
+            run.tally.total += stats.draft_agreement * stats.agreement_positions
+            run.tally.positions += stats.agreement_positions
+        if result.logprobs is not None:
+            run.scores.append(result.logprobs)
+        if low_ess_of(stats.ess, floor):
+            run.approximate_allowed = False  # exact rounds go on from the particle drawn
+        tokens = result.tokens
+        ended = run.s.stop_at_eos and len(tokens) > 0 and tokens[-1] in self.target.eos_token_ids
+        run.stopped = stats.stopped
+        run.done = ended or run.stopped or len(tokens) == 0
+
+    def _with_potential(
+        self, run: _Run, generator: torch.Generator, watch: Watch | None
+    ) -> DecodeResult:
+        """The setting the tuner picks (smc: the conditional needs it), for the whole request."""
+        choice = self._choose(run, None)
+        result = self.make(choice.config, self.potential).decode(
+            run.prompt, run.s, generator, watch
+        )
+        segment = run.segments[-1]
+        segment.rounds, segment.tokens = result.rounds, len(result.tokens)
+        split = result.stage_seconds
+        segment.seconds = split["draft"] + split["verify"] + split["resample"]
+        result.stats.settings = [segment.report()]
+        return result
+
+
+def low_ess_of(ess: list[float], floor: float) -> bool:
+    """Whether rounds' ESS figures (at least ESS_ROUNDS of them) average below `floor`."""
+    return len(ess) >= ESS_ROUNDS and sum(ess) / len(ess) < floor
+
+
+def _stats(run: _Run) -> AutoStats:
+    by_method: dict[str, int] = {}
+    for segment in run.segments:
+        name = segment.choice.method
+        by_method[name] = by_method.get(name, 0) + segment.rounds
+    return AutoStats(
+        stopped=run.stopped,
+        settings=[segment.report() for segment in run.segments],
+        rounds_by_method=by_method,
+        proposed_tokens=run.proposed,
+        accepted_tokens=run.accepted,
+        draft_agreement=run.tally.mean,
+        agreement_positions=run.tally.positions,
+        ess=run.ess,
+    )

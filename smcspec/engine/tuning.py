@@ -1,0 +1,190 @@
+"""The chooser behind `method="auto"`: which setting decodes fastest, from measured costs.
+
+A `Tuner` belongs to one loaded pair. Its step costs (`engine.costs`) are profiled on first
+use, once per machine and pair (cached on disk), or given. It predicts every candidate's
+tokens per second at the request's agreement estimate and picks the highest (`choose`); after
+each request it blends the request's own round times into the costs and its agreement into
+the prior the next request starts from (`observe`). A request with a seed reads neither (only
+the costs as profiled and the default prior), so that its seed repeats its tokens whatever ran
+before it; its own rounds' measurements steer it either way, and those repeat with the seed.
+
+The agreement estimate a request's choices read is the running mean of a over the positions it
+drafted, with the prior (the mean of earlier requests under the same sampling settings, or
+`DEFAULT_AGREEMENT` before any) counted as `PRIOR_POSITIONS` positions: two rounds of sd at
+K = 4 outweigh it. A round's tokens come from the method table's model (`round_tokens`), which
+for msd is exact only for a point-mass target; once the request has run rounds of a method,
+their measured tokens over the model's (`_measured_scale`) scale its predictions.
+
+An approximate setting (smc), chosen while exact rounds run, needs the prefix fed again into
+caches of its own: its prediction pays that (`handoff_seconds`) over the tokens left.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from smcspec.config import DecodingConfig, SamplingConfig
+from smcspec.decoding.agreement import Tally
+from smcspec.decoding.auto import Choice, Outlook, RoundTime
+from smcspec.decoding.methods import method_of, method_row
+from smcspec.engine import costs as step_costs
+from smcspec.engine.costs import Grid, RoundTimes, StepCosts
+
+# Before a pair has decoded anything under some sampling settings: the agreement the default
+# pair's drafts reach at T = 1 on code prompts (README, issue 28's sweep), a middle value that
+# starts sd at a moderate K until the request's own positions speak.
+DEFAULT_AGREEMENT = 0.7
+PRIOR_POSITIONS = 8
+# A switch must promise this much more than staying: predictions from a few positions are
+# noisy, and a switch costs a re-choice's worth of rows changing shape.
+SWITCH_MARGIN = 0.03
+# How much of the prior a finished request's mean replaces.
+PRIOR_WEIGHT = 0.3
+
+
+def sampling_key(s: SamplingConfig) -> tuple:
+    """The settings that move agreement: both temperatures and the truncations."""
+    return (s.temperature, s.draft_temperature, s.top_k, s.top_p, s.min_p)
+
+
+def grid_for(max_particles: int, max_draft_tokens: int) -> Grid:
+    """Every K up to the most; N = 2, 4, 8, ... up to the most."""
+    ns = []
+    n = 2
+    while n <= max_particles:
+        ns.append(n)
+        n *= 2
+    ks = tuple(range(1, max_draft_tokens + 1))
+    return Grid(draft_tokens=ks, msd_particles=tuple(ns), smc_particles=tuple(ns) or (2,))
+
+
+def handoff_seconds(costs: StepCosts, context: int) -> float:
+    """Feeding `context` positions to the target and the draft again, priced by the fits (a
+    pass of many positions is priced as that many rows of one: an upper bound, prefill batches
+    better)."""
+    return costs.target(1, context) + costs.draft(context)
+
+
+class Tuner:
+    """Chooses settings for `decoding.auto` from the costs `source` gives (called once, on the
+    first choice; `costs` replaces them) and learns from finished requests."""
+
+    def __init__(self, source: Callable[[], StepCosts]) -> None:
+        self._source = source
+        self._baseline: StepCosts | None = None  # as profiled (or given)
+        self._costs: StepCosts | None = None  # with the requests' times blended in
+        self._priors: dict[tuple, float] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def fixed(cls, costs: StepCosts) -> Tuner:
+        return cls(lambda: costs)
+
+    @property
+    def costs(self) -> StepCosts:
+        """The costs, learned from the requests so far."""
+        with self._lock:
+            if self._costs is None:
+                self._baseline = self._costs = self._source()
+            return self._costs
+
+    @costs.setter
+    def costs(self, value: StepCosts) -> None:
+        with self._lock:
+            self._baseline = self._costs = value
+
+    def costs_for(self, s: SamplingConfig) -> StepCosts:
+        """A seeded request's choices read the costs as profiled, the others' the learned ones:
+        a seed must give the same tokens, whatever requests came before."""
+        learned = self.costs
+        return learned if s.seed is None else self._baseline or learned
+
+    def prior(self, s: SamplingConfig) -> float:
+        """The agreement a request starts from: earlier requests' under the same sampling
+        settings, DEFAULT_AGREEMENT before any, or with a seed (see `costs_for`)."""
+        if s.seed is not None:
+            return DEFAULT_AGREEMENT
+        return self._priors.get(sampling_key(s), DEFAULT_AGREEMENT)
+
+    def agreement(self, outlook: Outlook) -> float:
+        """The request's running mean of a, with the prior counted as PRIOR_POSITIONS."""
+        prior = self.prior(outlook.sampling)
+        total = outlook.agreement_sum + prior * PRIOR_POSITIONS
+        return min(1.0, max(0.0, total / (outlook.agreement_positions + PRIOR_POSITIONS)))
+
+    def predictions(self, outlook: Outlook) -> list[Choice]:
+        """Every candidate with its predicted tokens per second, simplest first."""
+        costs, a = self.costs_for(outlook.sampling), self.agreement(outlook)
+        config = outlook.config
+        grid = grid_for(config.max_particles, config.max_draft_tokens)
+        exact = not outlook.approximate_allowed
+        out = []
+        for name, cfg in step_costs.candidates(exact, outlook.has_potential, grid):
+            row = method_row(name)
+            tokens, seconds = step_costs.round_cost(name, cfg, a, costs)
+            tokens = 1 + (tokens - 1) * _measured_scale(outlook, name, a)
+            rate = tokens / seconds
+            if not row.exact and outlook.current is not None:
+                rate = _with_handoff(rate, costs, outlook)
+            out.append(Choice(cfg, name, row.exact, rate))
+        return out
+
+    def choose(self, outlook: Outlook) -> Choice:
+        options = self.predictions(outlook)
+        if not options:
+            raise ValueError("auto has no setting to choose from")
+        best = max(options, key=lambda c: c.predicted)
+        current = next((c for c in options if c.config == outlook.current), None)
+        if current is not None and best.predicted < current.predicted * (1 + SWITCH_MARGIN):
+            return current
+        return best
+
+    def observe(self, rounds: list[RoundTime], sampling: SamplingConfig, tally: Tally) -> None:
+        """Blend a finished request's round times into the costs (each setting's rounds as one
+        observation, `costs.refresh`) and its mean agreement into the prior."""
+        totals: dict[DecodingConfig, list[float]] = {}
+        for r in rounds:
+            t = totals.setdefault(r.config, [0, 0.0, 0.0])
+            t[0] += r.rounds
+            t[1] += r.draft_seconds
+            t[2] += r.target_seconds
+        with self._lock:
+            costs = self._costs
+            if costs is not None:
+                for config, (count, draft_s, target_s) in totals.items():
+                    row = method_row(method_of(config))
+                    rows = row.kv_rows(config)[0]
+                    k = row.lookahead(config)
+                    seen = RoundTimes(rows, k, int(count), draft_s, target_s)
+                    costs = step_costs.refresh(costs, seen)
+                self._costs = costs
+            mean = tally.mean
+            if mean is not None and tally.positions >= 4:
+                key = sampling_key(sampling)
+                old = self._priors.get(key, DEFAULT_AGREEMENT)
+                self._priors[key] = (1 - PRIOR_WEIGHT) * old + PRIOR_WEIGHT * mean
+
+
+def _measured_scale(outlook: Outlook, method: str, a: float) -> float:
+    """A method's measured tokens beyond the first per round over its model's (the table's
+    `tokens_per_round` at a), from this request's rounds of any of its settings, each side
+    with PRIOR_POSITIONS / 4 rounds of the model added; 1 where none ran. It corrects msd's
+    model (exact only for a point-mass target); for sd and smc it stays near 1."""
+    row = method_row(method)
+    rounds = measured = predicted = 0.0
+    for cfg, (n, tokens) in outlook.measured.items():
+        if method_of(cfg) == row.name:
+            rounds += n
+            measured += tokens - n
+            predicted += (row.tokens_per_round(cfg, a) - 1) * n
+    if rounds == 0 or predicted <= 0:
+        return 1.0
+    prior = PRIOR_POSITIONS / 4 * predicted / rounds
+    return (measured + prior) / (predicted + prior)
+
+
+def _with_handoff(rate: float, costs: StepCosts, outlook: Outlook) -> float:
+    """smc's tokens per second over the tokens left, paying the prefix fed again."""
+    remaining = max(1, outlook.remaining)
+    return remaining / (remaining / rate + handoff_seconds(costs, outlook.context))

@@ -149,16 +149,14 @@ class Tuner:
             t[0] += r.rounds
             t[1] += r.draft_seconds
             t[2] += r.target_seconds
+        costs = self.costs
+        for config, (count, draft_s, target_s) in totals.items():
+            row = method_row(method_of(config))
+            rows = row.kv_rows(config)[0]
+            seen = RoundTimes(rows, row.lookahead(config), int(count), draft_s, target_s)
+            costs = step_costs.refresh(costs, seen)
         with self._lock:
-            costs = self._costs
-            if costs is not None:
-                for config, (count, draft_s, target_s) in totals.items():
-                    row = method_row(method_of(config))
-                    rows = row.kv_rows(config)[0]
-                    k = row.lookahead(config)
-                    seen = RoundTimes(rows, k, int(count), draft_s, target_s)
-                    costs = step_costs.refresh(costs, seen)
-                self._costs = costs
+            self._costs = costs
             mean = tally.mean
             if mean is not None and tally.positions >= 4:
                 key = sampling_key(sampling)

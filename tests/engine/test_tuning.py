@@ -1,0 +1,174 @@
+"""The engine's tuner: what auto chooses from given costs, what it learns, and what a seed keeps
+fixed."""
+
+from __future__ import annotations
+
+import pytest
+
+from smcspec.config import ARConfig, AutoConfig, MSDConfig, SamplingConfig, SDConfig, SMCConfig
+from smcspec.decoding.agreement import Tally
+from smcspec.decoding.auto import Outlook, RoundTime
+from smcspec.engine import LLM, tuning
+from smcspec.engine import costs as cm
+from smcspec.models.toy import perturbed_lm, random_lm
+
+# a memory-bound device: a pass costs the same at any width; a draft step a tenth of it
+FLAT = cm.StepCosts(target_fit=(1.0, 0.0), draft_fit=(0.1, 0.0))
+# a CPU-like one: every position of a pass costs a third of a one-token pass
+STEEP = cm.StepCosts(target_fit=(1.0, 0.3), draft_fit=(0.1, 0.03))
+SEEDED = SamplingConfig(seed=1)
+DEFAULT = AutoConfig()
+UNSEEDED = SamplingConfig()
+
+
+def outlook(
+    a: float | None = None,
+    positions: int = 1000,
+    config: AutoConfig = DEFAULT,
+    sampling: SamplingConfig = UNSEEDED,
+    current=None,
+    measured=None,
+    has_potential: bool = False,
+    context: int = 100,
+    remaining: int = 100,
+) -> Outlook:
+    """An outlook whose request measured agreement a over `positions` drafted positions (None:
+    nothing yet)."""
+    total = 0.0 if a is None else a * positions
+    return Outlook(
+        config,
+        sampling,
+        has_potential,
+        total,
+        0 if a is None else positions,
+        current,
+        context,
+        remaining,
+        not config.exact,
+        measured or {},
+    )
+
+
+def test_a_flat_device_drafts_deep_and_wide_and_a_steep_one_falls_back_to_ar():
+    tuner = tuning.Tuner.fixed(FLAT)
+    high = tuner.choose(outlook(0.95))
+    assert high.method in ("sd", "msd") and high.config.draft_tokens == 8
+    low = tuner.choose(outlook(0.3))
+    assert low.method == "msd" and low.config.particles == 4  # rows are free: more drafts
+    steep = tuning.Tuner.fixed(STEEP)
+    assert steep.choose(outlook(0.2)).config == ARConfig()
+    assert all(c.exact for c in tuning.Tuner.fixed(FLAT).predictions(outlook(0.5)))
+
+
+def test_the_choice_is_the_highest_prediction_among_the_grid_the_config_allows():
+    tuner = tuning.Tuner.fixed(STEEP)
+    config = AutoConfig(max_particles=2, max_draft_tokens=3)
+    options = tuner.predictions(outlook(0.8, config=config))
+    assert {c.method for c in options} == {"ar", "sd", "msd"}
+    assert max(getattr(c.config, "draft_tokens", 0) for c in options) == 3
+    assert max(getattr(c.config, "particles", 1) for c in options) == 2
+    best = max(options, key=lambda c: c.predicted)
+    assert tuner.choose(outlook(0.8, config=config)) == best
+    a = tuner.agreement(outlook(0.8, config=config))
+    for c in options:  # the predictions are the cost model's
+        assert c.predicted == pytest.approx(cm.predict(c.method, c.config, a, STEEP))
+
+
+def test_approximate_adds_smc_and_a_potential_leaves_only_smc():
+    tuner = tuning.Tuner.fixed(FLAT)
+    approximate = tuner.predictions(outlook(0.5, config=AutoConfig(exact=False)))
+    assert {c.method for c in approximate} == {"ar", "sd", "msd", "smc"}
+    assert not all(c.exact for c in approximate)
+    with_potential = tuner.predictions(outlook(0.5, has_potential=True))
+    assert {c.method for c in with_potential} == {"smc"}
+    # smc's rows only cost: its fastest is the fewest particles
+    assert tuner.choose(outlook(0.5, has_potential=True)).config.particles == 2
+
+
+def test_a_switch_needs_a_margin_over_the_setting_running():
+    tuner = tuning.Tuner.fixed(STEEP)
+    best = tuner.choose(outlook(0.8))
+    options = tuner.predictions(outlook(0.8))
+    close = [c for c in options if c != best and c.predicted > best.predicted / 1.03]
+    assert close, "the grid has a setting within the margin"
+    assert tuner.choose(outlook(0.8, current=close[0].config)) == close[0]
+    far = min(options, key=lambda c: c.predicted)
+    assert tuner.choose(outlook(0.8, current=far.config)) == best
+
+
+def test_the_prior_counts_as_a_few_positions_and_the_request_soon_outweighs_it():
+    tuner = tuning.Tuner.fixed(STEEP)
+    assert tuner.agreement(outlook()) == tuning.DEFAULT_AGREEMENT
+    few = tuner.agreement(outlook(0.2, positions=2))
+    many = tuner.agreement(outlook(0.2, positions=200))
+    assert tuning.DEFAULT_AGREEMENT > few > many > 0.2
+    assert many == pytest.approx(0.2, abs=0.02)
+
+
+def test_observe_learns_costs_and_a_prior_but_a_seeded_request_reads_neither():
+    tuner = tuning.Tuner.fixed(STEEP)
+    tally = Tally(total=0.3 * 40, positions=40)
+    times = [RoundTime(SDConfig(4), 10, 30, draft_seconds=8.0, target_seconds=50.0)]
+    tuner.observe(times, UNSEEDED, tally)
+    learned = tuner.costs
+    # the pass at (1 row, 5 tokens) moved a quarter of the way to the measured 5 s a round
+    assert learned.target(1, 5) == pytest.approx(0.75 * STEEP.target(1, 5) + 0.25 * 5.0)
+    assert learned.draft(1) == pytest.approx(0.75 * STEEP.draft(1) + 0.25 * 0.2)
+    assert tuner.prior(UNSEEDED) == pytest.approx(0.7 * tuning.DEFAULT_AGREEMENT + 0.3 * 0.3)
+    assert tuner.prior(SamplingConfig(temperature=0.5)) == tuning.DEFAULT_AGREEMENT
+    assert tuner.prior(SEEDED) == tuning.DEFAULT_AGREEMENT
+    assert tuner.costs_for(SEEDED) is STEEP and tuner.costs_for(UNSEEDED) is learned
+    seeded = tuner.predictions(outlook(0.5, sampling=SEEDED))
+    assert seeded == tuning.Tuner.fixed(STEEP).predictions(outlook(0.5, sampling=SEEDED))
+
+
+def test_measured_msd_rounds_scale_its_predictions():
+    tuner = tuning.Tuner.fixed(FLAT)
+    base = {c.config: c.predicted for c in tuner.predictions(outlook(0.5))}
+    weak = {MSDConfig(2, 4): (20, 20 * 1.2)}  # 0.2 drafts a round where the model expects more
+    scaled = {c.config: c.predicted for c in tuner.predictions(outlook(0.5, measured=weak))}
+    assert scaled[MSDConfig(4, 2)] < base[MSDConfig(4, 2)]
+    assert scaled[SDConfig(3)] == pytest.approx(base[SDConfig(3)])  # another method's
+    assert scaled[ARConfig()] == base[ARConfig()]
+
+
+def test_smc_chosen_part_way_pays_for_the_prefix_fed_again():
+    tuner = tuning.Tuner.fixed(STEEP)
+    config = AutoConfig(exact=False)
+    start = {c.config: c.predicted for c in tuner.predictions(outlook(0.5, config=config))}
+    later = {
+        c.config: c.predicted
+        for c in tuner.predictions(
+            outlook(0.5, config=config, current=SDConfig(4), context=2000, remaining=20)
+        )
+    }
+    smc = SMCConfig(2, 4)
+    assert later[smc] < start[smc] and later[SDConfig(4)] == start[SDConfig(4)]
+    expected = 20 / (20 / start[smc] + tuning.handoff_seconds(STEEP, 2000))
+    assert later[smc] == pytest.approx(expected)
+
+
+def test_grid_for_doubles_n_and_counts_every_k():
+    assert tuning.grid_for(4, 3) == cm.Grid((1, 2, 3), (2, 4), (2, 4))
+    assert tuning.grid_for(8, 1).msd_particles == (2, 4, 8)
+    assert tuning.grid_for(1, 2).msd_particles == ()  # no tree without a second draft
+
+
+def test_a_seed_repeats_an_auto_decode_whatever_ran_before():
+    target = random_lm(6, seed=3)
+    llm = LLM.from_models(target, perturbed_lm(target, seed=4, noise=1.0))
+    llm.tuner.costs = STEEP
+    first = llm.generate([1, 2], max_new_tokens=40, seed=9, stop_at_eos=False)
+    for _ in range(3):  # unseeded requests teach the tuner other costs and another prior
+        llm.generate([1, 2], max_new_tokens=40, stop_at_eos=False)
+    assert llm.tuner.costs is not STEEP
+    again = llm.generate([1, 2], max_new_tokens=40, seed=9, stop_at_eos=False)
+    assert again.token_ids == first.token_ids
+    assert again.diagnostics["settings"] == [
+        {
+            **s,
+            "seconds": a["seconds"],
+            "measured_tokens_per_second": a["measured_tokens_per_second"],
+        }
+        for s, a in zip(first.diagnostics["settings"], again.diagnostics["settings"], strict=True)
+    ]

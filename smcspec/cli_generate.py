@@ -22,7 +22,13 @@ from smcspec.cli_common import (
 )
 from smcspec.cli_sampling import add_sampling_flags, sampling_settings
 from smcspec.config import MAX_PARTICLES
-from smcspec.engine import configs_from_fields, method_fields, method_names, method_row
+from smcspec.engine import (
+    configs_from_fields,
+    method_fields,
+    method_names,
+    method_row,
+    setting_label,
+)
 
 METHOD_HELP = (
     "decoding method (default: auto, the fastest exact setting for the request, or smc's "
@@ -201,14 +207,9 @@ def summary(result) -> str:
 
 def _setting(chosen: dict[str, Any]) -> str:
     """One of auto's settings: "sd K=4 for 12 rounds (predicted 14.1, measured 13.2 tok/s)"."""
-    sizes = "".join(
-        f" {flag}={chosen[key]}"
-        for key, flag in (("particles", "N"), ("draft_tokens", "K"))
-        if key in chosen
-    )
     measured = chosen["measured_tokens_per_second"]
     return (
-        f"{chosen['method']}{sizes} for {chosen['rounds']} rounds (predicted "
+        f"{setting_label(chosen)} for {chosen['rounds']} rounds (predicted "
         f"{chosen['predicted_tokens_per_second']:.1f}, measured "
         f"{'-' if measured is None else f'{measured:.1f}'} tok/s)"
     )

@@ -370,6 +370,12 @@ class AutoDecoder:
         return result
 
 
+def setting_label(report: Mapping[str, Any]) -> str:
+    """A setting as `AutoStats.settings` reports it, in words: "msd N=2 K=3"."""
+    sizes = (("particles", "N"), ("draft_tokens", "K"))
+    return report["method"] + "".join(f" {flag}={report[k]}" for k, flag in sizes if k in report)
+
+
 def low_ess_of(ess: list[float], floor: float) -> bool:
     """Whether rounds' ESS figures (at least ESS_ROUNDS of them) average below `floor`."""
     return len(ess) >= ESS_ROUNDS and sum(ess) / len(ess) < floor

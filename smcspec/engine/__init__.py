@@ -5,7 +5,7 @@ passes over), and the method table's readers (`decoding.methods`: the methods' n
 and the one converter from loose settings to typed configs). The command lines, the server and
 the benchmarks import from here."""
 
-from smcspec.decoding.auto import AutoStats
+from smcspec.decoding.auto import AutoStats, setting_label
 from smcspec.decoding.base import ARStats, MSDStats, SDStats, SMCStats, Stats, start_cache
 from smcspec.decoding.methods import (
     configs_from_fields,
@@ -49,5 +49,6 @@ __all__ = [
     "method_fields",
     "method_names",
     "method_row",
+    "setting_label",
     "start_cache",
 ]

@@ -18,7 +18,15 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from smcspec.engine import MSDStats, PagedModel, SDStats, SMCStats, Stats
+from smcspec.engine import (
+    AutoStats,
+    MSDStats,
+    PagedModel,
+    SDStats,
+    SMCStats,
+    Stats,
+    setting_label,
+)
 
 THROUGHPUT_WINDOW_S = 30.0
 ROLES = ("target", "draft")
@@ -28,6 +36,8 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 7.5, 10, 15, 20, 3
 TTFT_BUCKETS += (90, 120, 240, 480)
 LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 15, 20, 30, 45, 60, 90, 120, 180, 240)
 LATENCY_BUCKETS += (300, 480, 960, 1920)
+# measured over predicted speed: a tenth off either way is within the 0.9-1.1 buckets
+RATIO_BUCKETS = (0.5, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0)
 FRACTION_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 AGREEMENT_DOC = (
     "each choice's mean over its drafted positions of sum_x min(p(x), q(x)), the probability "
@@ -89,6 +99,17 @@ class ServerMetrics:
             buckets=FRACTION_BUCKETS,
             registry=r,
         )
+        self.auto_rounds = Counter(
+            "smcspec:auto_rounds",
+            "rounds auto ran, by the setting it chose (method, N, K)",
+            ["model_name", "setting"],
+            registry=r,
+        )
+        self.auto_speed = self._histogram(
+            "smcspec:auto_measured_over_predicted",
+            "each setting auto chose: its measured tokens/s over the tokens/s it predicted",
+            RATIO_BUCKETS,
+        )
         self.first_token = self._histogram(
             "smcspec:time_to_first_token_seconds", "time to the first streamed text", TTFT_BUCKETS
         )
@@ -124,17 +145,34 @@ class ServerMetrics:
             self._recent.append((time.monotonic(), new_tokens))
         if isinstance(stats, SDStats | MSDStats):
             self.sd_drafts.inc(rounds)
+        if isinstance(stats, AutoStats):
+            by_method = stats.rounds_by_method
+            self.sd_drafts.inc(by_method.get("sd", 0) + by_method.get("msd", 0))
+        if isinstance(stats, SDStats | MSDStats | AutoStats):
             self.sd_draft_tokens.inc(stats.proposed_tokens)
             self.sd_accepted.inc(stats.accepted_tokens)
+        for chosen in getattr(stats, "settings", None) or ():
+            self._record_setting(chosen)
         if isinstance(stats, SMCStats):
             n = len(stats.weights) or 1
             self.smc_rounds.inc(len(stats.ess))
             self.smc_resamples.inc(stats.resamples)
             for value in stats.ess:
                 self.smc_ess.observe(value / n)
-        drafting = isinstance(stats, SDStats | MSDStats | SMCStats)
+        drafting = isinstance(stats, SDStats | MSDStats | SMCStats | AutoStats)
         if drafting and stats.draft_agreement is not None:
             self.agreement.labels(self.model_name, method).observe(stats.draft_agreement)
+
+    def _record_setting(self, chosen: dict[str, Any]) -> None:
+        """One setting auto chose (`AutoStats.settings`): its rounds, and how its measured speed
+        compared with the prediction it was chosen by."""
+        self.auto_rounds.labels(self.model_name, setting_label(chosen)).inc(chosen["rounds"])
+        measured, predicted = (
+            chosen["measured_tokens_per_second"],
+            chosen["predicted_tokens_per_second"],
+        )
+        if measured is not None and predicted > 0:
+            self.auto_speed.observe(measured / predicted)
 
     def recent_tokens_per_second(self) -> float:
         now = time.monotonic()

@@ -147,6 +147,9 @@ class Server:
         self.llm = llm
         self.defaults = defaults
         limits = llm.limits
+        # auto's step costs (the default method's), measured now if this machine has none
+        # cached: once the scheduler runs, its thread alone may run forward passes
+        _ = llm.tuner.costs
         self.scheduler = Scheduler(
             (llm.target, llm.draft), limits.max_running, limits.max_batch_tokens
         )

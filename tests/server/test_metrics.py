@@ -9,6 +9,7 @@ import pytest
 
 from smcspec.bench.serving import parse_metrics
 from smcspec.decoding import ARStats, MSDStats, SDStats, SMCStats
+from smcspec.decoding.auto import AutoStats
 from smcspec.server.metrics import ServerMetrics
 
 
@@ -105,3 +106,33 @@ def test_msd_is_counted_as_sd_and_every_drafting_method_reports_its_agreement(me
         assert values[f"{name}_count{labels}"] == 1
         assert values[f"{name}_sum{labels}"] == pytest.approx(mean)
     assert not any('method="ar"' in key for key in values if key.startswith(name))
+
+
+def test_auto_counts_its_drafts_as_sd_and_each_setting_it_chose(metrics):
+    settings = [
+        {"method": "sd", "draft_tokens": 4, "rounds": 5, "predicted_tokens_per_second": 10.0,
+         "measured_tokens_per_second": 9.0},
+        {"method": "msd", "particles": 2, "draft_tokens": 3, "rounds": 2,
+         "predicted_tokens_per_second": 8.0, "measured_tokens_per_second": 12.0},
+        {"method": "ar", "rounds": 3, "predicted_tokens_per_second": 5.0,
+         "measured_tokens_per_second": None},
+    ]  # fmt: skip
+    stats = AutoStats(False, settings, {"sd": 5, "msd": 2, "ar": 3}, 20, 14, 0.6, 20)
+    metrics.record_choice("auto", 30, "length", 10, stats)
+    values = parse_metrics(metrics.render().decode())
+    m = '{model_name="tiny"}'
+    assert values[f"smcspec:spec_decode_num_drafts_total{m}"] == 5 + 2  # not ar's rounds
+    assert values[f"smcspec:spec_decode_num_draft_tokens_total{m}"] == 20
+    assert values[f"smcspec:spec_decode_num_accepted_tokens_total{m}"] == 14
+    rounds = {
+        key: value for key, value in values.items() if key.startswith("smcspec:auto_rounds_total")
+    }
+    assert rounds == {
+        'smcspec:auto_rounds_total{model_name="tiny",setting="sd K=4"}': 5,
+        'smcspec:auto_rounds_total{model_name="tiny",setting="msd N=2 K=3"}': 2,
+        'smcspec:auto_rounds_total{model_name="tiny",setting="ar"}': 3,
+    }
+    ratio = buckets(metrics.render().decode(), "smcspec:auto_measured_over_predicted")
+    assert ratio[0.9] == 1 and ratio[1.5] == 2 and ratio[math.inf] == 2  # 0.9 and 1.5
+    agreement = 'smcspec:spec_decode_draft_agreement_sum{method="auto",model_name="tiny"}'
+    assert values[agreement] == pytest.approx(0.6)

@@ -23,12 +23,15 @@ def _add_grid_options(p: argparse.ArgumentParser, methods: list[str], smc_n: str
         "--methods",
         nargs="+",
         default=methods,
-        help="of ar sd smc hf hf-assisted (hf peers need --backend hf); bench speed also "
-        "takes llama-cpp llama-cpp-spec (./scripts/build_llama_cpp builds llama.cpp)",
+        help="of ar sd smc msd auto auto-approx (auto with --approximate: it may pick smc) hf "
+        "hf-assisted (hf peers need --backend hf); bench speed also takes llama-cpp "
+        "llama-cpp-spec (./scripts/build_llama_cpp builds llama.cpp)",
     )
     p.add_argument("--sd-k", default="2,4", help="K grid for sd")
     p.add_argument("--smc-n", default=smc_n, help="N grid for smc")
     p.add_argument("--smc-k", default="2,4", help="K grid for smc")
+    p.add_argument("--msd-n", default="2,4", help="N grid for msd")
+    p.add_argument("--msd-k", default=None, help="K grid for msd (default: --sd-k's)")
     p.add_argument(
         "--smc-power", default="", help="also run each smc setting with Power(alpha), e.g. 2,4"
     )
@@ -58,7 +61,7 @@ def add_parser(sub) -> None:
 
 def _add_speed(bsub) -> None:
     speed = command(bsub, "speed", "tokens/s of every method, interleaved, side by side")
-    _add_grid_options(speed, ["ar", "sd", "smc"], "2,4,8")
+    _add_grid_options(speed, ["ar", "sd", "smc", "msd", "auto"], "2,4,8")
     speed.add_argument(
         "--temperatures", default=str(T_DEFAULT), help="comma-separated, e.g. 0.3,0.7,1.0,1.3"
     )
@@ -75,8 +78,8 @@ def _add_speed(bsub) -> None:
     speed.add_argument(
         "--draft-temperatures",
         default="",
-        help="also run sd and smc with the draft sampled at these temperatures, e.g. 0.5,2 "
-        "(a less matched draft; default: the target's temperature)",
+        help="also run sd, smc, msd and auto with the draft sampled at these temperatures, e.g. "
+        "0.5,2 (a less matched draft; default: the target's temperature)",
     )
 
 
@@ -160,7 +163,10 @@ def _add_json(bsub) -> None:
 def _add_serve(bsub) -> None:
     srv = command(bsub, "serve", "the HTTP server under 1..C concurrent clients")
     srv.add_argument(
-        "--methods", default="ar,sd K=4,smc N=2 K=8,smc N=4 K=4", help="comma-separated"
+        "--methods",
+        default="ar,sd K=4,smc N=2 K=8,smc N=4 K=4,msd N=2 K=4,auto",
+        help="comma-separated, as bench speed labels them: ar, sd K=k, smc N=n K=k, "
+        "msd N=n K=k, auto, auto approx",
     )
     srv.add_argument("--concurrency", default="1,4,16", help="client counts, comma-separated")
     srv.add_argument("--requests", type=int, default=16, help="requests per level")
@@ -208,6 +214,8 @@ def _grid(args: argparse.Namespace):
         _floats(args.smc_power, "--smc-power") if args.smc_power else None,
         [q.strip() for q in args.quants.split(",") if q.strip()] if speed else None,
         [None, *_floats(draft_temps, "--draft-temperatures")] if draft_temps else None,
+        parse_ints(args.msd_n, "--msd-n"),
+        parse_ints(args.msd_k, "--msd-k") if args.msd_k is not None else None,
     )
 
 

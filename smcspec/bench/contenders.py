@@ -1,4 +1,5 @@
-"""Everything a benchmark can run, behind one call: our three methods over their grids and the
+"""Everything a benchmark can run, behind one call: our methods over their grids (auto as
+itself, exact, and as "auto-approx", auto with `approximate`, which may pick smc) and the
 peers a user would pick instead: Hugging Face's `generate` (with and without `assistant_model`)
 and llama.cpp (autoregressive, and speculative with the draft; `bench/llamacpp.py`).
 
@@ -17,8 +18,23 @@ from smcspec.config import SamplingConfig, SDConfig, SMCConfig
 from smcspec.engine import configs_from_fields
 from smcspec.potentials import Power
 
-METHOD_NAMES = ("ar", "sd", "smc", "hf", "hf-assisted", "llama-cpp", "llama-cpp-spec")
+METHOD_NAMES = (
+    "ar",
+    "sd",
+    "smc",
+    "msd",
+    "auto",
+    "auto-approx",
+    "hf",
+    "hf-assisted",
+    "llama-cpp",
+    "llama-cpp-spec",
+)
 LLAMA_CPP = ("llama-cpp", "llama-cpp-spec")
+# ours: run by `LLM.generate` under the method name it knows
+OURS = {"ar": "ar", "sd": "sd", "smc": "smc", "msd": "msd", "auto": "auto", "auto-approx": "auto"}
+# the methods that draft, and so run at every draft temperature asked for
+DRAFTING = ("sd", "smc", "msd", "auto", "auto-approx")
 
 
 @dataclass(frozen=True)
@@ -37,6 +53,10 @@ class Contender:
             label = f"smc N={s['particles']} K={s['draft_tokens']}"
             if "power_alpha" in s:
                 label += f" power={s['power_alpha']:g}"
+        elif self.method == "msd":
+            label = f"msd N={s['particles']} K={s['draft_tokens']}"
+        elif self.method == "auto-approx":
+            label = "auto approx"
         elif self.method == "llama-cpp":
             label = f"llama-cpp {s['quant']}"
         elif self.method == "llama-cpp-spec":
@@ -69,11 +89,15 @@ def build_grid(
     smc_power: list[float] | None = None,
     quants: list[str] | None = None,
     draft_temperatures: list[float | None] | None = None,
+    msd_n: list[int] | None = None,
+    msd_k: list[int] | None = None,
 ) -> list[Contender]:
     """Expand method names over the grids; raise ValueError on an unknown name or bad setting.
     Each smc (N, K) also runs with Power(alpha) for every alpha in `smc_power`; llama.cpp runs
-    at every quant in `quants`, its speculative decoding at every sd K; sd and smc run with the
-    draft at every temperature in `draft_temperatures` (None: the target's)."""
+    at every quant in `quants`, its speculative decoding at every sd K; msd runs at every
+    (N, K) of `msd_n` x `msd_k` (K: sd's grid when not given); the drafting methods (sd, smc,
+    msd, auto) run with the draft at every temperature in `draft_temperatures` (None: the
+    target's)."""
     if not methods:
         raise ValueError("no methods given")
     unknown = [m for m in methods if m not in METHOD_NAMES]
@@ -89,6 +113,10 @@ def build_grid(
                 out.append(Contender("sd", {"draft_tokens": k}))
         elif method == "smc":
             out += _smc_grid(smc_n, smc_k, resample_threshold, smc_power or [])
+        elif method == "msd":
+            out += _msd_grid(msd_n or [2, 4], msd_k or sd_k)
+        elif method == "auto-approx":
+            out.append(Contender(method, {"approximate": True}))
         elif method == "llama-cpp":
             out += [Contender(method, {"quant": q}) for q in _quants(quants)]
         elif method == "llama-cpp-spec":
@@ -114,6 +142,16 @@ def _smc_grid(smc_n, smc_k, resample_threshold, smc_power) -> list[Contender]:
     return out
 
 
+def _msd_grid(msd_n: list[int], msd_k: list[int]) -> list[Contender]:
+    out = []
+    for n in msd_n:
+        for k in msd_k:
+            settings = {"particles": n, "draft_tokens": k}
+            configs_from_fields({"method": "msd", **settings})
+            out.append(Contender("msd", settings))
+    return out
+
+
 def _quants(quants: list[str] | None) -> list[str]:
     if not quants:
         raise ValueError("llama.cpp contenders need at least one quant, e.g. Q4_K_M,Q8_0")
@@ -129,7 +167,7 @@ def _with_draft_temperatures(grid, temps: list[float | None]) -> list[Contender]
             SamplingConfig(draft_temperature=t)  # the same check as generate's
     out = []
     for c in grid:
-        if c.method in ("sd", "smc"):
+        if c.method in DRAFTING:
             for t in temps:
                 extra = {} if t is None else {"draft_temperature": t}
                 out.append(Contender(c.method, {**c.settings, **extra}))
@@ -156,10 +194,10 @@ def run(
         return llama_cpp.run(
             contender.method, contender.settings, prompt_ids, temperature, max_new, seed
         )
-    if contender.method in ("ar", "sd", "smc"):
+    if contender.method in OURS:
         out = llm.generate(
             prompt_ids,
-            contender.method,
+            OURS[contender.method],
             temperature=temperature,
             max_new_tokens=max_new,
             stop_at_eos=stop_at_eos,
@@ -169,6 +207,8 @@ def run(
         )
         d = dict(out.diagnostics)
         d.pop("weights", None)
+        if "settings" in d:  # auto's choices, kept apart from the contender's own settings
+            d["chosen"] = d.pop("settings")
         return {"token_ids": out.token_ids, "text": out.text, **d}
     return _run_hf(llm, contender, prompt_ids, temperature, max_new, stop_at_eos, seed)
 

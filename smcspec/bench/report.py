@@ -9,8 +9,12 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from smcspec.engine import setting_label
+
 Z95 = 1.959963984540054
 STAGES = ("prefill", "draft", "verify", "resample", "other")
+# methods whose diagnostics count accepted and proposed drafts without a rate
+COUNTED = ("msd", "auto", "auto-approx")
 
 
 def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
@@ -30,7 +34,9 @@ def _mean(values: list[float]) -> float | None:
 
 def speed_summary(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (label, temperature): median/min/max tokens/s and the method's diagnostics;
-    `vs_ar` is the median over paired runs (same prompt, repetition) of tokens/s / ar's tokens/s."""
+    `vs_ar` is the median over paired runs (same prompt, repetition) of tokens/s / ar's tokens/s.
+    msd and auto's acceptance is their accepted / proposed drafts; auto's `chose` its settings'
+    shares of its rounds."""
     groups: dict[tuple[str, float], list[dict]] = defaultdict(list)
     for r in records:
         groups[(r["label"], r["temperature"])].append(r)
@@ -57,9 +63,7 @@ def speed_summary(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "min_tps": min(tps),
             "max_tps": max(tps),
             "vs_ar": statistics.median(ratios) if ratios else None,
-            "acceptance_rate": _mean(
-                [r["acceptance_rate"] for r in rs if r.get("acceptance_rate") is not None]
-            ),
+            "acceptance_rate": _acceptance(rs),
             "mean_accepted_length": _mean(
                 [r["mean_accepted_length"] for r in rs if r.get("mean_accepted_length") is not None]
             ),
@@ -68,8 +72,43 @@ def speed_summary(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "resample_rate": _resample_rate(rs),
         }
         row.update(_split_fractions(rs))
+        row.update(_identity(rs[0]), chose=chose([seg for r in rs for seg in r.get("chosen", ())]))
         rows.append(row)
     return rows
+
+
+def _acceptance(rs: list[dict]) -> float | None:
+    """sd's mean acceptance rate; msd's and auto's (which report counts, not a rate) their
+    accepted / proposed drafts over all runs."""
+    rates = [r["acceptance_rate"] for r in rs if r.get("acceptance_rate") is not None]
+    if rates or rs[0].get("method") not in COUNTED:
+        return _mean(rates)
+    return pooled_acceptance(rs)
+
+
+def _identity(r: dict) -> dict[str, Any]:
+    """The method and draft temperature of a row, for the per-cell summary."""
+    settings = r.get("settings", {})
+    return {"method": r.get("method"), "draft_temperature": settings.get("draft_temperature")}
+
+
+def chose(segments: list[dict[str, Any]]) -> str | None:
+    """auto's chosen settings (`AutoStats.settings`' entries, over any number of runs) by their
+    share of its rounds, most first, e.g. "sd K=4 (90%), msd N=2 K=3 (10%)"; None without any."""
+    rounds: dict[str, int] = defaultdict(int)
+    for seg in segments:
+        rounds[setting_label(seg)] += seg["rounds"]
+    total = sum(rounds.values())
+    if not total:
+        return None
+    ranked = sorted(rounds.items(), key=lambda kv: -kv[1])
+    return ", ".join(f"{label} ({100 * n / total:.0f}%)" for label, n in ranked)
+
+
+def pooled_acceptance(diagnostics: list[dict[str, Any]]) -> float | None:
+    """accepted / proposed drafts over runs that count them (msd, auto); None without any."""
+    proposed = sum(d.get("proposed_tokens", 0) for d in diagnostics)
+    return sum(d.get("accepted_tokens", 0) for d in diagnostics) / proposed if proposed else None
 
 
 def decode_rate(record: dict[str, Any]) -> float:
@@ -79,7 +118,7 @@ def decode_rate(record: dict[str, Any]) -> float:
 
 
 def _order(label: str) -> tuple[int, str]:
-    rank = {"ar": 0, "sd": 1, "smc": 2, "hf": 3, "hf-assisted": 4}
+    rank = {"ar": 0, "sd": 1, "smc": 2, "msd": 3, "auto": 4, "hf": 5, "hf-assisted": 6}
     return rank.get(label.split()[0], 9), label
 
 
@@ -111,6 +150,12 @@ def speed_table(rows: list[dict[str, Any]]) -> str:
         "| prefill / draft / verify / resample / other |\n"
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
     )
+    # auto's choices in a last column, only where auto ran: other tables stay as they were
+    chose = any(r.get("chose") for r in rows)
+    if chose:
+        head = head.replace(" |\n|", " | auto chose (share of rounds) |\n|").replace(
+            "--- |\n", "--- | --- |\n"
+        )
     lines = []
     for r in rows:
         split = "-"
@@ -124,9 +169,88 @@ def speed_table(rows: list[dict[str, Any]]) -> str:
             f"| {_fmt(r.get('median_decode_tps'))} "
             f"| {_fmt(r['acceptance_rate'])} | {_fmt(r['mean_accepted_length'])} "
             f"| {_fmt(r['mean_ess'])} | {_fmt(r['min_ess'])} | {_fmt(r['resample_rate'])} "
-            f"| {split} |"
+            f"| {split} |" + (f" {_fmt(r.get('chose'))} |" if chose else "")
         )
     return head + "\n".join(lines) + "\n"
+
+
+# the fixed settings auto chooses among: exact ones, and smc too with approximate
+EXACT = ("ar", "sd", "msd")
+FIXED = (*EXACT, "smc")
+
+
+def best_fixed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per cell (temperature, draft temperature): the fastest fixed exact setting (ar, sd, msd)
+    and the fastest of all four methods (smc too; Power targets aside), by median tokens/s, and
+    auto's and auto approx's ratios to them and to ar (ar, which drafts nothing, counts in every
+    draft temperature's cell). Also sd's acceptance at its best K and msd's best over sd's."""
+    cells = dict.fromkeys(
+        (r["temperature"], r.get("draft_temperature")) for r in rows if r.get("method") != "ar"
+    )
+    out = []
+    for temp, draft_t in cells:
+        here = [
+            r
+            for r in rows
+            if r["temperature"] == temp
+            and (r.get("method") == "ar" or r.get("draft_temperature") == draft_t)
+        ]
+        fixed = [r for r in here if r.get("method") in FIXED and "power=" not in r["label"]]
+        exact = [r for r in fixed if r["method"] in EXACT]
+        best_exact, best_all = _fastest(exact), _fastest(fixed)
+        ar, sd, msd = (_fastest([r for r in here if r.get("method") == m]) for m in EXACT)
+        auto, approx = (
+            _fastest([r for r in here if r.get("method") == m]) for m in ("auto", "auto-approx")
+        )
+        out.append(
+            {
+                "temperature": temp,
+                "draft_temperature": draft_t,
+                "best_exact": best_exact,
+                "best_fixed": best_all,
+                "auto_vs_best_exact": _ratio(auto, best_exact),
+                "auto_vs_ar": _ratio(auto, ar),
+                "approx_vs_best_fixed": _ratio(approx, best_all),
+                "sd_acceptance": sd["acceptance_rate"] if sd else None,
+                "msd_vs_sd": _ratio(msd, sd),
+            }
+        )
+    return out
+
+
+def _fastest(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    return max(rows, key=lambda r: r["median_tps"], default=None)
+
+
+def _ratio(row: dict[str, Any] | None, base: dict[str, Any] | None) -> float | None:
+    return row["median_tps"] / base["median_tps"] if row and base else None
+
+
+def best_fixed_table(cells: list[dict[str, Any]]) -> str:
+    """`best_fixed` as Markdown; ratios are of median tokens/s. The targets: auto >= 0.95x the
+    best exact and >= 0.95x ar in every cell; auto approx >= 0.95x the best of all; msd's best
+    >= sd's where sd's acceptance is <= 0.8."""
+    head = (
+        "| T | draft T | best fixed exact | tok/s | auto / best exact | auto / ar "
+        "| best fixed | tok/s | auto approx / best fixed | sd acceptance | msd best / sd best |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
+    )
+    lines = []
+    for c in cells:
+        exact, best = c["best_exact"] or {}, c["best_fixed"] or {}
+        draft_t = "target's" if c["draft_temperature"] is None else f"{c['draft_temperature']:g}"
+        lines.append(
+            f"| {c['temperature']} | {draft_t} | {exact.get('label', '-')} "
+            f"| {_fmt(exact.get('median_tps'))} | {_times(c['auto_vs_best_exact'])} "
+            f"| {_times(c['auto_vs_ar'])} | {best.get('label', '-')} "
+            f"| {_fmt(best.get('median_tps'))} | {_times(c['approx_vs_best_fixed'])} "
+            f"| {_fmt(c['sd_acceptance'])} | {_times(c['msd_vs_sd'])} |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
+def _times(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
 
 
 def accuracy_summary(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -249,6 +373,7 @@ def speed_caption(hdr: dict[str, Any]) -> str:
         f"Speed: {where}. {models_line(hdr)}. First {plan.get('prompts')} HumanEval prompts as "
         f"chat messages, up to {plan.get('max_new_tokens')} new tokens ({length}), batch of one "
         f"request, {plan.get('reps')} repetition(s), base seed {plan.get('seed')}."
+        + (f" {hdr['auto_costs']}." if "auto_costs" in hdr else "")
     )
 
 

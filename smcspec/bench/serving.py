@@ -26,18 +26,49 @@ from typing import Any
 
 from smcspec.bench.machine import describe, one_line
 from smcspec.bench.prompts import chat_text, humaneval_problems
-from smcspec.bench.report import _fmt
+from smcspec.bench.report import _fmt, chose, pooled_acceptance
 from smcspec.bench.results import ResultLog, header, measurements
 from smcspec.config import SamplingConfig
+from smcspec.engine import configs_from_fields
 from smcspec.server.cluster import PUSH_S
 
 MODEL_NAME = "bench"
+# the default methods, labelled as `bench speed` labels them, and their request fields
 METHODS = {
     "ar": {"method": "ar"},
     "sd K=4": {"method": "sd", "draft_tokens": 4},
     "smc N=2 K=8": {"method": "smc", "particles": 2, "draft_tokens": 8},
     "smc N=4 K=4": {"method": "smc", "particles": 4, "draft_tokens": 4},
 }
+# labels as `bench speed` writes them; those with settings: "sd K=k", "smc N=n K=k", "msd N=n K=k"
+NAMED = {
+    "ar": {"method": "ar"},
+    "auto": {"method": "auto"},
+    "auto approx": {"method": "auto", "approximate": True},
+}
+SETTINGS = re.compile(r"(?P<method>sd|smc|msd)(?: N=(?P<particles>\d+))? K=(?P<draft_tokens>\d+)")
+
+
+def method_fields(label: str) -> dict[str, Any]:
+    """The request fields of a method's label; a ValueError naming the label when it is not one
+    or its settings are bad (checked as the server checks them)."""
+    match = SETTINGS.fullmatch(label)
+    if label in NAMED:
+        return NAMED[label]
+    # sd has no N; smc and msd need theirs
+    if match is None or (match["particles"] is None) != (match["method"] == "sd"):
+        raise ValueError(
+            f"unknown method {label!r}: ar, auto, auto approx, sd K=k, smc N=n K=k or msd N=n K=k"
+        )
+    fields: dict[str, Any] = {
+        k: int(v) for k, v in match.groupdict().items() if v and k != "method"
+    }
+    fields["method"] = match["method"]
+    try:
+        configs_from_fields(fields)
+    except ValueError as err:
+        raise ValueError(f"method {label!r}: {err}") from err
+    return fields
 
 
 @dataclass(frozen=True)
@@ -53,9 +84,8 @@ class ServePlan:
     def __post_init__(self) -> None:
         if not self.replicas or min(self.replicas) < 0:
             raise ValueError("--replicas needs counts >= 0 (0: one process without Ray)")
-        unknown = [m for m in self.methods if m not in METHODS]
-        if unknown:
-            raise ValueError(f"unknown methods {unknown}: choose from {', '.join(METHODS)}")
+        for label in self.methods:
+            method_fields(label)
         if not self.concurrency or min(self.concurrency) < 1:
             raise ValueError("--concurrency needs levels >= 1")
         if self.requests < 1 or self.max_tokens < 1:
@@ -117,12 +147,13 @@ def _measure_server(
         if not log.has(trip):
             log.add(trip, {"replicas": replicas, **_round_trip(url)})
         for label in plan.methods:
-            _one(url, {**bodies[0], **METHODS[label]})  # warm-up, not counted
+            # warm-up, not counted (auto's step costs: the server measures them as it starts)
+            _one(url, {**bodies[0], **method_fields(label)})
             for c in plan.concurrency:
                 key = keys[(label, c)]
                 if log.has(key):
                     continue
-                extra = METHODS[label]
+                extra = method_fields(label)
                 record = _level(url, [{**b, **extra} for b in bodies], c, settle=replicas > 0)
                 log.add(key, {"method": label, "concurrency": c, "replicas": replicas, **record})
                 where = f" ({replicas} replicas)" if replicas else ""
@@ -284,8 +315,10 @@ def _one(url: str, body: dict) -> dict[str, Any]:
 
 
 def _diagnostics(all_diags: list[dict]) -> dict[str, float | None]:
-    """Means over requests: sd acceptance; smc ESS / N and resamples per request."""
+    """Means over requests: sd acceptance (msd's and auto's pooled over the requests); smc ESS /
+    N and resamples per request; what auto chose (`bench.report.chose`)."""
     acceptance = [d["acceptance_rate"] for d in all_diags if d.get("acceptance_rate") is not None]
+    pooled = pooled_acceptance(all_diags) if not acceptance else None
     ess = [
         statistics.fmean(d["ess"]) / len(d["weights"])
         for d in all_diags
@@ -293,9 +326,10 @@ def _diagnostics(all_diags: list[dict]) -> dict[str, float | None]:
     ]
     resamples = [d["resamples"] for d in all_diags if "resamples" in d]
     return {
-        "acceptance": statistics.fmean(acceptance) if acceptance else None,
+        "acceptance": statistics.fmean(acceptance) if acceptance else pooled,
         "ess_fraction": statistics.fmean(ess) if ess else None,
         "resamples": statistics.fmean(resamples) if resamples else None,
+        "chose": chose([seg for d in all_diags for seg in d.get("settings") or ()]),
     }
 
 
@@ -348,9 +382,53 @@ def report(path: str | Path) -> str:
     }
     lines = _preamble(head, ray=any(r.get("replicas") for r in records))
     lines += [_level_row(r, base.get((r.get("replicas", 0), r["method"]))) for r in rows]
+    if any(r["method"].startswith("auto") for r in rows):
+        lines += _auto_against_fixed(rows)
     if trips:
         lines += _roundtrips(trips)
     return "\n".join(lines) + "\n"
+
+
+def _auto_against_fixed(rows: list[dict[str, Any]]) -> list[str]:
+    """Per server and concurrency: the fastest fixed exact setting (ar, sd, msd) and the fastest
+    of all (smc too), and auto's and auto approx's tokens/s over them."""
+    lines = [
+        "",
+        "auto against the fastest fixed setting at each level (tokens/s ratios):",
+        "",
+        "| server | C | best fixed exact | tok/s | auto / best exact | auto chose (share of "
+        "rounds) | best fixed | tok/s | auto approx / best fixed |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    levels = dict.fromkeys((r.get("replicas", 0), r["concurrency"]) for r in rows)
+    for replicas, c in levels:
+        here = {
+            r["method"]: r
+            for r in rows
+            if (r.get("replicas", 0), r["concurrency"]) == (replicas, c)
+        }
+        fixed = [r for m, r in here.items() if m.split()[0] in ("ar", "sd", "msd", "smc")]
+        exact = [r for r in fixed if r["method"].split()[0] != "smc"]
+        best_exact, best = (max(rs, key=_tps, default=None) for rs in (exact, fixed))
+        auto, approx = here.get("auto"), here.get("auto approx")
+        lines.append(
+            f"| {_server(replicas)} | {c} | {_name(best_exact)} | {_fmt(_tps(best_exact))} "
+            f"| {_over(auto, best_exact)} | {_fmt(auto and auto.get('chose'))} | {_name(best)} "
+            f"| {_fmt(_tps(best))} | {_over(approx, best)} |"
+        )
+    return lines
+
+
+def _tps(r: dict[str, Any] | None) -> float | None:
+    return r["tokens_per_second"] if r else None
+
+
+def _name(r: dict[str, Any] | None) -> str:
+    return r["method"] if r else "-"
+
+
+def _over(r: dict[str, Any] | None, base: dict[str, Any] | None) -> str:
+    return f"{r['tokens_per_second'] / base['tokens_per_second']:.2f}x" if r and base else "-"
 
 
 def _preamble(head: dict[str, Any], ray: bool) -> list[str]:

@@ -53,6 +53,8 @@ def run_speed(
     header = machine.run_header(llm, precision, plan)
     if llama_cpp is not None:
         header["llama_cpp"] = llama_cpp.describe()
+    if _chooses(plan):
+        header["auto_costs"] = AUTO_COSTS
     log = ResultLog(out / "speed.jsonl", header)
     prompts = prompt_ids(llm, plan.prompts)
     jobs = [
@@ -97,9 +99,23 @@ def _rotated(items: list, shift: int) -> list:
     return items[shift:] + items[:shift]
 
 
+# what the warm-up did for auto, as result headers and speed.md say it
+AUTO_COSTS = (
+    "The step costs auto chooses from were profiled (or read from the model cache's costs/) "
+    "in the untimed warm-up, before any run was timed"
+)
+
+
+def _chooses(plan: SpeedPlan) -> bool:
+    return any(c.method in ("auto", "auto-approx") for c in plan.contenders)
+
+
 def _warm_up(llm, plan: SpeedPlan, ids: list[int], llama_cpp=None) -> None:
     """One short untimed run per method, so first-call costs (allocations, kernel selection,
-    llama.cpp's model loads and server starts) do not land on whichever method runs first."""
+    llama.cpp's model loads and server starts, auto's profile of the pair's step costs) do not
+    land on whichever method runs first."""
+    if _chooses(plan):
+        _ = llm.tuner.costs  # auto's first choice would profile them, inside a timed run
     for c in plan.contenders:
         run(llm, c, ids, plan.temperatures[0], 4, False, 0, llama_cpp)
 
@@ -110,7 +126,11 @@ def write_speed_report(out_dir: str | Path) -> list[dict]:
     rows = report.speed_summary(measurements(path))
     hdr = report.header_of(path)
     title = report.speed_caption(hdr)
-    (out / "speed.md").write_text(f"{title}\n\n{report.speed_table(rows)}")
+    text = f"{title}\n\n{report.speed_table(rows)}"
+    if any(r["method"] in ("msd", "auto", "auto-approx") for r in rows):
+        cells = report.best_fixed_table(report.best_fixed(rows))
+        text += f"\nBest fixed setting per cell (median tok/s):\n\n{cells}"
+    (out / "speed.md").write_text(text)
     if len({r["temperature"] for r in rows}) > 1:
         report.plot_temperature(rows, out / "speed_temperature.png", title)
     return rows

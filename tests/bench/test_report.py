@@ -127,3 +127,84 @@ def test_plots_are_written(tmp_path):
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "p.png").stat().st_size > 1000
     json.dumps(rows)
+
+
+def test_msd_and_auto_rows_count_acceptance_and_share_auto_s_rounds():
+    seg = {"method": "sd", "draft_tokens": 4, "rounds": 5}
+    records = [
+        _rec("ar", 0, 2.0),
+        _rec("msd N=2 K=4", 0, 3.0, accepted_tokens=6, proposed_tokens=8),
+        _rec("msd N=2 K=4", 1, 3.0, accepted_tokens=3, proposed_tokens=4),
+        _rec("auto", 0, 3.0, accepted_tokens=1, proposed_tokens=4, chosen=[{**seg, "rounds": 2}]),
+        _rec(
+            "auto",
+            1,
+            3.0,
+            accepted_tokens=0,
+            proposed_tokens=0,
+            chosen=[seg, {"method": "msd", "particles": 2, "draft_tokens": 3, "rounds": 3}],
+        ),
+        # smc reports no rate: its row stays without one, counts or not
+        _rec("smc N=2 K=2", 0, 1.0, accepted_tokens=1, proposed_tokens=2),
+    ]
+    rows = {r["label"]: r for r in report.speed_summary(records)}
+    assert rows["msd N=2 K=4"]["acceptance_rate"] == 9 / 12  # pooled, not a mean of rates
+    assert rows["auto"]["acceptance_rate"] == 1 / 4
+    assert rows["smc N=2 K=2"]["acceptance_rate"] is None
+    assert rows["auto"]["chose"] == "sd K=4 (70%), msd N=2 K=3 (30%)"
+    assert rows["ar"]["chose"] is None
+    lines = report.speed_table(list(rows.values())).splitlines()
+    assert lines[0].endswith("| auto chose (share of rounds) |") and lines[1].count("---") == 14
+    assert lines[-1].endswith("| sd K=4 (70%), msd N=2 K=3 (30%) |")
+    # without auto the table is the one it always was
+    plain = report.speed_table([rows["ar"], rows["msd N=2 K=4"]]).splitlines()
+    assert plain[0].endswith("| prefill / draft / verify / resample / other |")
+    assert all(line.count("|") == 14 for line in plain)
+
+
+def _row(label, tps, temp=1.0, draft_t=None, method=None, **extra):
+    method = method or label.split()[0]
+    return {
+        "label": label,
+        "method": method,
+        "temperature": temp,
+        "median_tps": tps,
+        "draft_temperature": draft_t,
+        "acceptance_rate": None,
+        **extra,
+    }
+
+
+def test_best_fixed_names_the_fastest_setting_per_cell_and_auto_s_ratios():
+    rows = [
+        _row("ar", 10.0),
+        _row("sd K=4", 14.0, acceptance_rate=0.7),
+        _row("sd K=2", 12.0, acceptance_rate=0.8),
+        _row("msd N=2 K=4", 15.0),
+        _row("smc N=2 K=8", 20.0),
+        _row("smc N=2 K=8 power=2", 40.0),  # another target: not a setting auto could pick
+        _row("auto", 14.4),
+        _row("auto approx", 19.0, method="auto-approx"),
+        _row("sd K=4 draft T=2", 8.0, draft_t=2.0, acceptance_rate=0.3),
+        _row("msd N=2 K=4 draft T=2", 9.0, draft_t=2.0),
+        _row("auto draft T=2", 9.5, draft_t=2.0),
+        _row("ar", 30.0, temp=0.7),  # another temperature: another cell's ar
+    ]
+    cells = report.best_fixed(rows)
+    assert [(c["temperature"], c["draft_temperature"]) for c in cells] == [(1.0, None), (1.0, 2.0)]
+    same, hot = cells
+    assert same["best_exact"]["label"] == "msd N=2 K=4"
+    assert same["best_fixed"]["label"] == "smc N=2 K=8"
+    assert same["auto_vs_best_exact"] == pytest.approx(14.4 / 15)
+    assert same["auto_vs_ar"] == pytest.approx(1.44)
+    assert same["approx_vs_best_fixed"] == pytest.approx(0.95)
+    assert same["sd_acceptance"] == 0.7 and same["msd_vs_sd"] == pytest.approx(15 / 14)
+    # ar drafts nothing: it is the cell's best exact setting at every draft temperature
+    assert hot["best_exact"]["label"] == "ar" and hot["auto_vs_best_exact"] == 0.95
+    assert hot["approx_vs_best_fixed"] is None and hot["sd_acceptance"] == 0.3
+    table = report.best_fixed_table(cells).splitlines()
+    assert table[2] == (
+        "| 1.0 | target's | msd N=2 K=4 | 15.00 | 0.96x | 1.44x | smc N=2 K=8 | 20.00 | 0.95x "
+        "| 0.70 | 1.07x |"
+    )
+    assert table[3].startswith("| 1.0 | 2 | ar | 10.00 | 0.95x | 0.95x | ar | 10.00 | - |")

@@ -122,3 +122,77 @@ def test_accuracy_plan_checks_its_slice():
         accuracy.AccuracyPlan(grid, offset=164)
     with pytest.raises(ValueError, match="limit"):
         accuracy.AccuracyPlan(grid, limit=0)
+
+
+def test_msd_and_auto_contenders_expand_and_are_checked_before_loading():
+    grid = build_grid(
+        ["ar", "msd", "auto", "auto-approx"], [3, 4], [2], [2], [], None, None, [None, 2.0], [2]
+    )
+    assert [c.label for c in grid] == [
+        "ar",
+        "msd N=2 K=3",
+        "msd N=2 K=3 draft T=2",
+        "msd N=2 K=4",
+        "msd N=2 K=4 draft T=2",
+        "auto",
+        "auto draft T=2",
+        "auto approx",
+        "auto approx draft T=2",
+    ]  # msd's K: sd's grid when none is given
+    assert grid[7].settings == {"approximate": True}
+    assert [c.label for c in build_grid(["msd"], [4], [2], [2], msd_n=[2, 4], msd_k=[8])] == [
+        "msd N=2 K=8",
+        "msd N=4 K=8",
+    ]
+    with pytest.raises(ValueError, match=r"particles \(N\)"):
+        build_grid(["msd"], [4], [2], [2], msd_n=[0])
+    with pytest.raises(ValueError, match=r"particles .* <= 64"):
+        build_grid(["msd"], [4], [2], [2], msd_n=[65])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [(["--msd-n", "0"], "particles (N)"), (["--msd-k", "2,x"], "--msd-k must be")],
+)
+def test_bench_speed_refuses_a_bad_msd_grid_in_one_line(argv, message, tmp_path, capsys):
+    from smcspec import cli
+
+    argv = ["bench", "speed", "--methods", "msd", *argv, "--cache-dir", str(tmp_path)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err and not (tmp_path / "models").exists()
+
+
+NK = (("N", "particles"), ("K", "draft_tokens"))
+
+
+def test_speed_profiles_auto_before_timing_and_tables_its_choices(llm, tmp_path, monkeypatch):
+    from smcspec.bench import speed
+    from smcspec.engine import costs
+    from smcspec.engine.tuning import Tuner
+
+    events = []
+    llm.tuner = Tuner(lambda: events.append("profile") or costs.measure(llm.target, llm.draft))
+
+    def logged_run(llm_, c, ids, temp, max_new, *rest):
+        events.append(("run", max_new))
+        return run(llm_, c, ids, temp, max_new, *rest)
+
+    run = speed.run
+    monkeypatch.setattr(speed, "run", logged_run)
+    grid = build_grid(["ar", "msd", "auto", "auto-approx"], [2], [2], [2], msd_n=[2])
+    plan = SpeedPlan(grid, [1.0], prompts=1, max_new_tokens=6)
+    rows = {r["label"]: r for r in run_speed(llm, plan, tmp_path)}
+    # profiled once, before the first timed (6-token) run: the warm-up's runs are 4 tokens
+    assert events.count("profile") == 1
+    assert events.index("profile") < events.index(("run", 6))
+    records = {r["label"]: r for r in measurements(tmp_path / "speed.jsonl")}
+    assert records["auto approx"]["settings"] == {"approximate": True}  # kept beside `chosen`
+    assert sum(seg["rounds"] for seg in records["auto"]["chosen"]) == records["auto"]["rounds"]
+    top = max(records["auto"]["chosen"], key=lambda seg: seg["rounds"])
+    named = " ".join([top["method"], *(f"{k}={top[v]}" for k, v in NK if v in top)])
+    assert rows["auto"]["chose"].startswith(f"{named} (")  # most rounds first
+    assert rows["msd N=2 K=2"]["acceptance_rate"] is not None and rows["ar"]["chose"] is None
+    text = (tmp_path / "speed.md").read_text()
+    assert "profiled (or read from the model cache's costs/) in the untimed warm-up" in text
+    assert f"| {rows['auto']['chose']} |" in text and "| auto / best exact |" in text

@@ -15,7 +15,8 @@ from smcspec.server.metrics import ServerMetrics
 def test_serve_bench_measures_every_level_and_resumes(
     tmp_path, tiny_llama_folder, tiny_llama_draft_folder
 ):
-    plan = ServePlan(methods=("ar", "smc N=2 K=8"), concurrency=(1, 3), requests=3, max_tokens=5)
+    methods = ("ar", "smc N=2 K=8", "auto approx")
+    plan = ServePlan(methods=methods, concurrency=(1, 3), requests=3, max_tokens=5)
     serve_args = ["--target", str(tiny_llama_folder), "--draft", str(tiny_llama_draft_folder)]
     serve_args += ["--dtype", "float32"]
     prompts = ["w1 w2", "w3 w4 w5", "w6"]
@@ -27,6 +28,8 @@ def test_serve_bench_measures_every_level_and_resumes(
         ("ar", 3),
         ("smc N=2 K=8", 1),
         ("smc N=2 K=8", 3),
+        ("auto approx", 1),
+        ("auto approx", 3),
     ]
     for r in rows:
         assert r["requests"] == 3 and r["tokens"] == 15
@@ -35,7 +38,13 @@ def test_serve_bench_measures_every_level_and_resumes(
     ar1, ar3 = rows[0], rows[1]
     assert ar1["rows_per_target_pass"] < ar3["rows_per_target_pass"]
     assert rows[2]["ess_fraction"] is not None and rows[2]["acceptance"] is None
-    assert table.count("\n| ") == 7  # header row + 4 levels, round trip header + 1 server
+    assert rows[4]["chose"] is not None and rows[0]["chose"] is None
+    # header row + 6 levels, auto's summary: header + 2 levels, round trip header + 1 server
+    assert table.count("\n| ") == 12
+    summary = table.split("auto against the fastest fixed setting")[1].splitlines()
+    cells = summary[4].split(" | ")  # ar the only exact fixed setting; no plain auto here
+    assert cells[:3] == ["| 1 process", "1", "ar"] and cells[4:6] == ["-", "-"]
+    assert cells[6] in ("ar", "smc N=2 K=8") and cells[8].endswith("x |")
     assert (tmp_path / "serve.md").read_text() == table
     again = run_serve_bench(plan, serve_args, tmp_path, prompts)  # all done: nothing reruns
     assert again == table and measurements(tmp_path / "serve.jsonl") == records
@@ -72,3 +81,21 @@ def test_the_scrape_reads_graph_replays_and_both_models_passes(monkeypatch):
     got = serving._scrape("http://unused")
     assert got["forwards"] == 7 and got["draft_forwards"] == 9
     assert got["target_replays"] == 6 and got["draft_replays"] == 8
+
+
+def test_serve_methods_are_bench_speed_labels_checked_as_the_server_checks_them():
+    assert serving.method_fields("msd N=2 K=4") == {
+        "method": "msd",
+        "particles": 2,
+        "draft_tokens": 4,
+    }
+    assert serving.method_fields("sd K=8") == {"method": "sd", "draft_tokens": 8}
+    assert serving.method_fields("auto") == {"method": "auto"}
+    assert serving.method_fields("auto approx") == {"method": "auto", "approximate": True}
+    for label in ("sd N=2 K=4", "msd K=4", "beam", "auto exact", "msd N=2 K=4 "):
+        with pytest.raises(ValueError, match="unknown method"):
+            serving.method_fields(label)
+    with pytest.raises(ValueError, match=r"'msd N=0 K=4': particles \(N\)"):
+        ServePlan(methods=("ar", "msd N=0 K=4"))
+    with pytest.raises(ValueError, match=r"'smc N=65 K=4': particles .* <= 64"):
+        ServePlan(methods=("smc N=65 K=4",))

@@ -33,6 +33,7 @@ import hashlib
 import json
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -76,20 +77,34 @@ def cpu_model() -> str:
 def time_forward(model, context: list[int], batch: int, new_tokens: int, reps: int) -> float:
     """Median seconds of one forward of `new_tokens` tokens per row at `batch` rows, on a cache
     holding `context` (cropped back after each timing, so every rep sees the same context)."""
+    return time_shapes(model, context, batch, [new_tokens], reps)[new_tokens]
+
+
+def time_shapes(
+    model, context: list[int], batch: int, widths: Sequence[int], reps: int, law: bool = False
+) -> dict[int, float]:
+    """`time_forward` at each of `widths` tokens per row, over one cache (the context fed once).
+    law: each pass also takes the log-softmax of its logits, as every round's sampling law does
+    (at a 152k vocabulary a real share of a round)."""
     cache = start_cache(model, torch.tensor(context), rows=batch)
     model.forward(torch.tensor([context[-1:]] * batch), cache, 1)  # cache now holds the context
     length = cache.length
-    tokens = torch.tensor([context[-new_tokens:]] * batch)
-    times = []
-    for _ in range(reps + 1):
-        drain()
-        start = time.perf_counter()
-        model.forward(tokens, cache, new_tokens)
-        drain()
-        times.append(time.perf_counter() - start)
-        cache.crop(length)
+    out = {}
+    for width in widths:
+        tokens = torch.tensor([context[-width:]] * batch)
+        times = []
+        for _ in range(reps + 1):
+            drain()
+            start = time.perf_counter()
+            logits = model.forward(tokens, cache, width)
+            if law:
+                torch.log_softmax(logits.float(), dim=-1)
+            drain()
+            times.append(time.perf_counter() - start)
+            cache.crop(length)
+        out[width] = statistics.median(times[1:])  # the first is a warm-up
     cache.release()
-    return statistics.median(times[1:])  # the first is a warm-up
+    return out
 
 
 def fit_affine(points: Iterable[tuple[float, float]]) -> Fit:
@@ -211,17 +226,28 @@ def load(key: Mapping[str, Any], cache_dir: str | Path | None = None) -> StepCos
     return costs if costs.key == dict(key) else None
 
 
+def profile_widths(max_draft_tokens: int) -> list[int]:
+    """The tokens per row a profile times target passes at: 1, 2, 3, then about doubling to
+    K + 1 (the affine fit prices the widths between; fewer shapes, a shorter first start)."""
+    widths, t = [], 1
+    while t < max_draft_tokens + 1:
+        widths.append(t)
+        t = t + 1 if t < 3 else 2 * t - 1
+    return [*widths, max_draft_tokens + 1]
+
+
 def measure(
     target: CausalLM,
     draft: CausalLM,
     rows: Sequence[int] = (1, 2, 4, 8),
     max_draft_tokens: int = 8,
     context: int = 128,
-    reps: int = 3,
+    reps: int = 2,
     key: Mapping[str, Any] | None = None,
 ) -> StepCosts:
-    """Median timings of the target at every (rows, 1..K+1 tokens) and of the draft's one-token
-    step at every rows, over a cache holding `context` positions, fitted."""
+    """Median timings of the target at every rows and `profile_widths` tokens per row and of the
+    draft's one-token step at every rows, each with its logits' log-softmax (`time_shapes`),
+    over a cache holding `context` positions (fed once per model and rows), fitted."""
     for name, value in (("max_draft_tokens", max_draft_tokens), ("reps", reps)):
         if not (isinstance(value, int) and value >= 1):
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -230,12 +256,13 @@ def measure(
     if not (isinstance(context, int) and context > max_draft_tokens + 1):
         raise ValueError(f"context must be an integer > max_draft_tokens + 1, got {context!r}")
     ids = [i % target.vocab_size for i in range(context)]
+    widths = profile_widths(max_draft_tokens)
     target_seen = {
-        (r, t): time_forward(target, ids, r, t, reps)
+        (r, t): seconds
         for r in rows
-        for t in range(1, max_draft_tokens + 2)
+        for t, seconds in time_shapes(target, ids, r, widths, reps, law=True).items()
     }
-    draft_seen = {r: time_forward(draft, ids, r, 1, reps) for r in rows}
+    draft_seen = {r: time_shapes(draft, ids, r, [1], reps, law=True)[1] for r in rows}
     return from_measurements(target_seen, draft_seen, key)
 
 
@@ -244,7 +271,7 @@ def profile(
     rows: Sequence[int] = (1, 2, 4, 8),
     max_draft_tokens: int = 8,
     context: int = 128,
-    reps: int = 3,
+    reps: int = 2,
     cache_dir: str | Path | None = None,
     reuse: bool = True,
 ) -> StepCosts:
@@ -254,6 +281,10 @@ def profile(
     cached = load(key, cache_dir) if reuse else None
     if cached is not None:
         return cached
+    print(
+        "smcspec: measuring this machine's step costs for auto (once per model pair)",
+        file=sys.stderr,
+    )
     costs = measure(llm.target, llm.draft, rows, max_draft_tokens, context, reps, key)
     save(costs, cache_dir)
     return costs

@@ -287,7 +287,12 @@ def verify(
     depth = torch.zeros((), dtype=torch.long, device=drafts.device)
     winner = torch.zeros_like(depth)  # the row of the last kept draft: the node's row
     end_c = torch.zeros((), dtype=torch.float64, device=drafts.device)
+    on_host = drafts.device.type == "cpu"
     for d in range(k):
+        if on_host and not bool(walking):
+            # Reading the flag costs nothing on the CPU, and once the walk has stopped the
+            # depths left change nothing: at a 4-token vocabulary they were most of its ops.
+            break
         c, total = residual_scales(*laws.at(winner, d), n)  # [N + 1] each
         ahead = alive.long().cumsum(0) - alive.long()  # [N] alive drafts tested before each
         ratio = residual(px[:, d], qx[:, d], c[ahead], total[ahead]) / qx[:, d]  # [N]

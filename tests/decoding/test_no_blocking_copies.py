@@ -102,6 +102,8 @@ READS: dict[tuple[str, str, str], tuple[str, str]] = {
     ("sampling.py", "to_host", "pack(away).cpu()"): (EXTRA, "the one copy of to_host"),
     ("sampling.py", "_may_overflow", "float(lo)"): (HOST, "log_probs calls it on the CPU only"),
     ("sampling.py", "_may_overflow", "float(hi)"): (HOST, "log_probs calls it on the CPU only"),
+    ("sampling.py", "sample_at", "total.tolist()"): (HOST, "read on the CPU only"),
+    ("msd.py", "verify", "bool(walking)"): (HOST, "read on the CPU only"),
     ("autoregressive.py", "AutoregressiveDecoder.draw", "int(token)"): (HOST, "read back above"),
     ("speculative.py", "SpeculativeDecoder._accept", "drafts.tolist()"): (HOST, "read back"),
     ("speculative.py", "SpeculativeDecoder._accept", "int(accepted)"): (HOST, "read back"),

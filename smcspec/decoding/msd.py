@@ -293,7 +293,9 @@ def verify(
             # Reading the flag costs nothing on the CPU, and once the walk has stopped the
             # depths left change nothing: at a 4-token vocabulary they were most of its ops.
             break
-        c, total = residual_scales(*laws.at(winner, d), n)  # [N + 1] each
+        # past the root only the drafts still alive are tested: on the CPU, as many residuals
+        m = int(alive.sum()) if on_host else n
+        c, total = residual_scales(*laws.at(winner, d), m)  # [m + 1] each
         ahead = alive.long().cumsum(0) - alive.long()  # [N] alive drafts tested before each
         ratio = residual(px[:, d], qx[:, d], c[ahead], total[ahead]) / qx[:, d]  # [N]
         passed = alive & (u[d * n : (d + 1) * n] < ratio)  # [N]

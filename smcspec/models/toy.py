@@ -32,7 +32,7 @@ class ToyCache:
         return len(self.rows[0])
 
     def select(self, rows: torch.Tensor) -> None:
-        self.rows = [self.rows[int(r)] for r in rows]
+        self.rows = [self.rows[r] for r in rows.tolist()]
 
     def crop(self, length: int) -> None:
         self.rows = [row[:length] for row in self.rows]

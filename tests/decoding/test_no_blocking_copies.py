@@ -104,6 +104,7 @@ READS: dict[tuple[str, str, str], tuple[str, str]] = {
     ("sampling.py", "_may_overflow", "float(hi)"): (HOST, "log_probs calls it on the CPU only"),
     ("sampling.py", "sample_at", "total.tolist()"): (HOST, "read on the CPU only"),
     ("msd.py", "verify", "bool(walking)"): (HOST, "read on the CPU only"),
+    ("msd.py", "verify", "int(alive.sum())"): (HOST, "read on the CPU only"),
     ("autoregressive.py", "AutoregressiveDecoder.draw", "int(token)"): (HOST, "read back above"),
     ("speculative.py", "SpeculativeDecoder._accept", "drafts.tolist()"): (HOST, "read back"),
     ("speculative.py", "SpeculativeDecoder._accept", "int(accepted)"): (HOST, "read back"),

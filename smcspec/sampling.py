@@ -86,9 +86,10 @@ def _greedy(logits: torch.Tensor) -> torch.Tensor:
 
 def _keep_top_k(scaled: torch.Tensor, k: int) -> torch.Tensor:
     # Exactly k survivors even under ties: mask by index, not by threshold value.
-    top = scaled.topk(k, dim=-1).indices
-    keep = torch.zeros_like(scaled, dtype=torch.bool).scatter_(-1, top, True)
-    return scaled.masked_fill(~keep, NEG_INF)
+    # The survivors' values come back from topk as they were: writing them into a masked row
+    # gives the masked copy bit for bit, in three operations instead of five.
+    top = scaled.topk(k, dim=-1)
+    return torch.full_like(scaled, NEG_INF).scatter_(-1, top.indices, top.values)
 
 
 def _keep_top_p(scaled: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -260,8 +261,10 @@ def sample_at(logp: torch.Tensor, u: torch.Tensor, chunked: bool | None = None) 
         chunked = logp.device.type != "cpu" or rows.shape[1] >= CPU_CHUNKED_FROM
     invert = _invert_chunked if chunked else _invert_flat
     token, total = invert(rows, u.reshape(-1))  # [N] each
-    empty = ~(total > 0) | total.isinf()  # [N], True where NaN, 0 or inf
-    if logp.device.type != "cpu" or empty.any():  # as in `log_probs`: no host sync
+    # as in `log_probs`: no host sync on a device; on the CPU one read of the few totals
+    # usually shows every row has mass (NaN fails `0 < x`), fewer ops than the mask and `any`
+    if logp.device.type != "cpu" or not all(0 < x < math.inf for x in total.tolist()):
+        empty = ~(total > 0) | total.isinf()  # [N], True where NaN, 0 or inf
         token = torch.where(empty, rows.nan_to_num(nan=NEG_INF).argmax(dim=-1), token)
     return token.reshape(logp.shape[:-1])
 

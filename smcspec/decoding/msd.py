@@ -287,8 +287,15 @@ def verify(
     depth = torch.zeros((), dtype=torch.long, device=drafts.device)
     winner = torch.zeros_like(depth)  # the row of the last kept draft: the node's row
     end_c = torch.zeros((), dtype=torch.float64, device=drafts.device)
+    on_host = drafts.device.type == "cpu"
     for d in range(k):
-        c, total = residual_scales(*laws.at(winner, d), n)  # [N + 1] each
+        if on_host and not bool(walking):
+            # Reading the flag costs nothing on the CPU, and once the walk has stopped the
+            # depths left change nothing: at a 4-token vocabulary they were most of its ops.
+            break
+        # past the root only the drafts still alive are tested: on the CPU, as many residuals
+        m = int(alive.sum()) if on_host else n
+        c, total = residual_scales(*laws.at(winner, d), m)  # [m + 1] each
         ahead = alive.long().cumsum(0) - alive.long()  # [N] alive drafts tested before each
         ratio = residual(px[:, d], qx[:, d], c[ahead], total[ahead]) / qx[:, d]  # [N]
         passed = alive & (u[d * n : (d + 1) * n] < ratio)  # [N]

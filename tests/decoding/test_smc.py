@@ -58,6 +58,10 @@ NS_MSE = [8, 16, 32, 64]
 R = 2000
 BOOTSTRAP = 200
 
+# One worker for the module: the `correct` runs (about a minute) are then drawn once, not once on
+# each worker that gets a test using them.
+pytestmark = pytest.mark.xdist_group("smc")
+
 
 @pytest.fixture(scope="module")
 def pair():

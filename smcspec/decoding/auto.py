@@ -100,8 +100,15 @@ class Tuner(Protocol):
 
     def choose(self, outlook: Outlook) -> Choice: ...
 
-    def observe(self, rounds: list[RoundTime], sampling: SamplingConfig, tally: Tally) -> None:
-        """A finished request's round times and the agreement it measured."""
+    def observe(
+        self,
+        rounds: list[RoundTime],
+        sampling: SamplingConfig,
+        tally: Tally,
+        ess_fraction: float | None = None,
+    ) -> None:
+        """A finished request's round times, the agreement it measured, and the mean ESS / N of
+        its smc rounds (None: it ran none)."""
 
 
 class Stepper(Decoder, Protocol):
@@ -182,6 +189,7 @@ class _Run:
     measured: dict[DecodingConfig, tuple[int, int]] = field(default_factory=dict)
     scores: list[TokenLogprobs] = field(default_factory=list)
     ess: list[float] | None = None
+    ess_fractions: list[float] = field(default_factory=list)  # ESS / N of its smc rounds
 
     @property
     def seq(self) -> torch.Tensor:
@@ -245,7 +253,9 @@ class AutoDecoder:
                 self._approximate(run, choice, generator, watch, clock)
                 choice = self._choose(run, choice.config)
         seconds, split = clock.finish()
-        self.tuner.observe(run.times, sampling_cfg, run.tally)
+        fractions = run.ess_fractions
+        ess_fraction = sum(fractions) / len(fractions) if fractions else None
+        self.tuner.observe(run.times, sampling_cfg, run.tally, ess_fraction)
         logprobs = TokenLogprobs.join(run.scores) if sampling_cfg.logprobs is not None else None
         return DecodeResult(run.new, run.rounds, seconds, split, _stats(run), logprobs=logprobs)
 
@@ -342,6 +352,7 @@ class AutoDecoder:
         run.segments[-1].seconds += split["resample"]
         stats = result.stats
         run.ess = (run.ess or []) + list(stats.ess)
+        run.ess_fractions += [e / choice.config.particles for e in stats.ess]
         if stats.draft_agreement is not None:
             run.tally.total += stats.draft_agreement * stats.agreement_positions
             run.tally.positions += stats.agreement_positions

@@ -75,6 +75,7 @@ class Tuner:
         self._baseline: StepCosts | None = None  # as profiled (or given)
         self._costs: StepCosts | None = None  # with the requests' times blended in
         self._priors: dict[tuple, float] = {}
+        self._ess: dict[tuple, float] = {}  # smc's mean ESS / N by sampling settings
         self._lock = threading.Lock()
 
     @classmethod
@@ -118,7 +119,7 @@ class Tuner:
         costs, a = self.costs_for(outlook.sampling), self.agreement(outlook)
         config = outlook.config
         grid = grid_for(config.max_particles, config.max_draft_tokens)
-        exact = not outlook.approximate_allowed
+        exact = not self.smc_allowed(outlook)
         out = []
         for name, cfg in step_costs.candidates(exact, outlook.has_potential, grid):
             row = method_row(name)
@@ -140,9 +141,29 @@ class Tuner:
             return current
         return best
 
-    def observe(self, rounds: list[RoundTime], sampling: SamplingConfig, tally: Tally) -> None:
+    def smc_allowed(self, outlook: Outlook) -> bool:
+        """Whether smc may be weighed: approximate asked for and its ESS not failed in this
+        request, nor (unseeded) in earlier ones under the same sampling settings, whose mean
+        ESS / N the tuner keeps."""
+        if not outlook.approximate_allowed:
+            return False
+        seen = (
+            None
+            if outlook.sampling.seed is not None
+            else self._ess.get(sampling_key(outlook.sampling))
+        )
+        return seen is None or seen >= outlook.config.ess_floor
+
+    def observe(
+        self,
+        rounds: list[RoundTime],
+        sampling: SamplingConfig,
+        tally: Tally,
+        ess_fraction: float | None = None,
+    ) -> None:
         """Blend a finished request's round times into the costs (each setting's rounds as one
-        observation, `costs.refresh`) and its mean agreement into the prior."""
+        observation, `costs.refresh`), its mean agreement into the prior and its smc rounds'
+        mean ESS / N into the one kept for its sampling settings."""
         totals: dict[DecodingConfig, list[float]] = {}
         for r in rounds:
             t = totals.setdefault(r.config, [0, 0.0, 0.0])
@@ -157,11 +178,14 @@ class Tuner:
             costs = step_costs.refresh(costs, seen)
         with self._lock:
             self._costs = costs
+            key = sampling_key(sampling)
             mean = tally.mean
             if mean is not None and tally.positions >= 4:
-                key = sampling_key(sampling)
                 old = self._priors.get(key, DEFAULT_AGREEMENT)
                 self._priors[key] = (1 - PRIOR_WEIGHT) * old + PRIOR_WEIGHT * mean
+            if ess_fraction is not None:
+                old = self._ess.get(key, ess_fraction)
+                self._ess[key] = (1 - PRIOR_WEIGHT) * old + PRIOR_WEIGHT * ess_fraction
 
 
 def _measured_scale(outlook: Outlook, method: str, a: float) -> float:

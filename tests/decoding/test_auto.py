@@ -65,8 +65,8 @@ class Scripted:
                 break
         return Choice(config, row.name, row.exact, 1.0)
 
-    def observe(self, rounds, sampling, tally):
-        self.observed.append((rounds, tally.positions))
+    def observe(self, rounds, sampling, tally, ess_fraction=None):
+        self.observed.append((rounds, tally.positions, ess_fraction))
 
 
 EVERY_ROUND = AutoConfig(redecide_every=1)
@@ -142,7 +142,8 @@ def test_the_report_names_each_setting_and_what_it_did(target, far_draft):
     # each choice after the first saw the setting running and what the request had measured
     assert tuner.outlooks[0].current is None and tuner.outlooks[1].current == SDConfig(2)
     assert tuner.outlooks[1].agreement_positions > 0 and tuner.outlooks[1].measured
-    [(rounds, positions)] = tuner.observed  # the tuner learns once, at the end
+    [(rounds, positions, ess)] = tuner.observed  # the tuner learns once, at the end
+    assert ess is None  # no smc round
     assert sum(r.rounds for r in rounds) == out.rounds
     assert positions == out.stats.agreement_positions > 0
 
@@ -158,6 +159,8 @@ def test_approximate_hands_over_to_smc_and_back_when_its_weights_degenerate(targ
     assert methods_run[:3] == ["sd", "smc", "sd"] and len(out.tokens) == 60
     assert len(out.stats.ess) >= 4 and sum(out.stats.ess) / len(out.stats.ess) < 0.99 * 2
     assert not tuner.outlooks[-1].approximate_allowed  # no smc after its ESS failed
+    [(_, _, ess)] = tuner.observed
+    assert ess == pytest.approx(sum(out.stats.ess) / len(out.stats.ess) / 2)
 
 
 def test_an_exact_auto_refuses_a_tuner_that_picks_smc(target, far_draft):

@@ -172,3 +172,17 @@ def test_a_seed_repeats_an_auto_decode_whatever_ran_before():
         }
         for s, a in zip(first.diagnostics["settings"], again.diagnostics["settings"], strict=True)
     ]
+
+
+def test_smc_whose_weights_degenerated_before_is_not_weighed_again_unless_seeded():
+    tuner = tuning.Tuner.fixed(FLAT)
+    approximate = AutoConfig(exact=False)
+    assert "smc" in {c.method for c in tuner.predictions(outlook(0.5, config=approximate))}
+    tuner.observe([], UNSEEDED, Tally(), ess_fraction=0.6)  # below the floor (0.8)
+    methods_now = {c.method for c in tuner.predictions(outlook(0.5, config=approximate))}
+    assert methods_now == {"ar", "sd", "msd"}
+    seeded = tuner.predictions(outlook(0.5, config=approximate, sampling=SEEDED))
+    assert "smc" in {c.method for c in seeded}  # a seed reads no history
+    for _ in range(3):  # the kept mean (0.7 old + 0.3 new) climbs back over the floor
+        tuner.observe([], UNSEEDED, Tally(), ess_fraction=0.99)
+    assert "smc" in {c.method for c in tuner.predictions(outlook(0.5, config=approximate))}

@@ -200,7 +200,7 @@ def add_auto(p: argparse.ArgumentParser) -> None:
         "--approximate",
         action="store_true",
         default=None,
-        help="let auto choose smc too (approximate), while its ESS / N stays >= --ess-floor",
+        help="let auto choose smc too (approximate), while its chi^2 / N <= --max-divergence",
     )
     auto.add_argument("--max-particles", type=int, default=None, metavar="N", help="auto's most N")
     auto.add_argument(
@@ -210,7 +210,10 @@ def add_auto(p: argparse.ArgumentParser) -> None:
         "--redecide-every", type=int, default=None, metavar="R", help="auto chooses every R rounds"
     )
     auto.add_argument(
-        "--ess-floor", type=float, default=None, help="with --approximate: smc's mean ESS / N bound"
+        "--max-divergence",
+        type=float,
+        default=None,
+        help="with --approximate: the most chi^2 / N smc's weights may show (default 0.03)",
     )
     p.set_defaults(exact=None)  # no flag of its own: --approximate is its opposite
 

@@ -23,12 +23,12 @@ MSD_DRAFT_TOKENS = SD_DRAFT_TOKENS
 AUTO_MAX_PARTICLES = 4
 AUTO_MAX_DRAFT_TOKENS = 8
 AUTO_REDECIDE_EVERY = 4
-# auto with smc (exact=False): smc only while the mean ESS / N of its rounds stays at or above
-# this. ESS / N estimates 1 / (1 + chi^2(p || q)) of a round's weights, so the floor keeps the
-# chi-square divergence between a round's proposal and its target at 1 / 0.8 - 1 = 0.25 or
-# below, where the self-normalised estimate's bias (O(chi^2 / N)) stays a fraction of 1 / N
-# (docs/methods.md, "auto", has the measurement).
-AUTO_ESS_FLOOR = 0.8
+# auto with smc (exact=False): smc only while chi^2 / N stays at or below this, where chi^2 is
+# the chi-square divergence of a round's target from its proposal, estimated from the rounds'
+# mean ESS / N = 1 / (1 + chi^2). The answer's bias (total variation to the exact law) grows
+# as chi^2 / N: measured on toy models at about 1-2 x chi^2 / N (benchmarks/cpu/ess-floor), so
+# 0.03 keeps it near 0.03-0.06; ESS / N must then stay >= 0.94 at N = 2, 0.89 at N = 4.
+AUTO_MAX_DIVERGENCE = 0.03
 # More particles than this is more often a typo (`-n` read as tokens or choices elsewhere) than
 # a plan; `allow_large` lifts the bound.
 MAX_PARTICLES = 64
@@ -343,14 +343,14 @@ class AutoConfig:
     """The fastest setting, chosen per request from the machine's measured step costs and the
     draft's agreement with the target, and chosen again every `redecide_every` rounds as the
     agreement is measured (`decoding.auto`). exact: among ar, sd and msd, so the output's law is
-    the target's; False: smc too, while its rounds' mean ESS / N stays >= `ess_floor`. With a
+    the target's; False: smc too, while its rounds' mean ESS / N stays >= `ess_floor(N)`. With a
     potential, smc at the N and K that decode fastest (the conditional needs smc)."""
 
     exact: bool = True
     max_particles: int = AUTO_MAX_PARTICLES
     max_draft_tokens: int = AUTO_MAX_DRAFT_TOKENS
     redecide_every: int = AUTO_REDECIDE_EVERY
-    ess_floor: float = AUTO_ESS_FLOOR
+    max_divergence: float = AUTO_MAX_DIVERGENCE
 
     def __post_init__(self) -> None:
         _require(
@@ -361,12 +361,21 @@ class AutoConfig:
         _require_count(self, "max_particles")
         _require_count(self, "max_draft_tokens")
         _require_count(self, "redecide_every")
-        floor = self.ess_floor
+        bound = self.max_divergence
         _require(
-            isinstance(floor, int | float) and not isinstance(floor, bool) and 0 <= floor <= 1,
-            f"ess_floor must be a number in [0, 1], got {floor!r}",
-            "ess_floor",
+            isinstance(bound, int | float) and not isinstance(bound, bool) and bound >= 0,
+            f"max_divergence must be a number >= 0, got {bound!r}",
+            "max_divergence",
         )
+
+    def ess_floor(self, particles: int) -> float:
+        """The mean ESS / N smc's rounds must keep at N particles: chi^2 / N <= max_divergence
+        with ESS / N = 1 / (1 + chi^2)."""
+        return 1 / (1 + self.max_divergence * particles)
+
+    def divergence(self, ess_fraction: float, particles: int) -> float:
+        """chi^2 / N estimated from a mean ESS / N (the inverse of `ess_floor`)."""
+        return (1 / ess_fraction - 1) / particles
 
 
 DecodingConfig = ARConfig | SDConfig | SMCConfig | MSDConfig | AutoConfig

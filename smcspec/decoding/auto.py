@@ -17,7 +17,7 @@ method for outputs that a seed alone repeats).
 
 Approximate (`exact=False`): smc is a candidate too. Chosen, it takes over the rest of the
 request (its particles need caches of their own: the prefix is fed again, a cost the tuner
-weighs) and runs until the mean ESS / N of its rounds falls below `ess_floor` (after a few
+weighs) and runs until the mean ESS / N of its rounds falls below `ess_floor(N)` (after a few
 rounds), when the answer is drawn from the particles and exact rounds go on from it.
 
 With a potential, the conditional p phi / Z needs smc: the tuner picks its N and K, and smc
@@ -105,10 +105,10 @@ class Tuner(Protocol):
         rounds: list[RoundTime],
         sampling: SamplingConfig,
         tally: Tally,
-        ess_fraction: float | None = None,
+        divergence: float | None = None,
     ) -> None:
-        """A finished request's round times, the agreement it measured, and the mean ESS / N of
-        its smc rounds (None: it ran none)."""
+        """A finished request's round times, the agreement it measured, and chi^2 / N estimated
+        from its smc rounds (`AutoConfig.divergence`; None: it ran none)."""
 
 
 class Stepper(Decoder, Protocol):
@@ -189,7 +189,7 @@ class _Run:
     measured: dict[DecodingConfig, tuple[int, int]] = field(default_factory=dict)
     scores: list[TokenLogprobs] = field(default_factory=list)
     ess: list[float] | None = None
-    ess_fractions: list[float] = field(default_factory=list)  # ESS / N of its smc rounds
+    divergences: list[float] = field(default_factory=list)  # chi^2 / N of its smc rounds
 
     @property
     def seq(self) -> torch.Tensor:
@@ -253,9 +253,9 @@ class AutoDecoder:
                 self._approximate(run, choice, generator, watch, clock)
                 choice = self._choose(run, choice.config)
         seconds, split = clock.finish()
-        fractions = run.ess_fractions
-        ess_fraction = sum(fractions) / len(fractions) if fractions else None
-        self.tuner.observe(run.times, sampling_cfg, run.tally, ess_fraction)
+        spread = run.divergences
+        divergence = max(spread) if spread else None
+        self.tuner.observe(run.times, sampling_cfg, run.tally, divergence)
         logprobs = TokenLogprobs.join(run.scores) if sampling_cfg.logprobs is not None else None
         return DecodeResult(run.new, run.rounds, seconds, split, _stats(run), logprobs=logprobs)
 
@@ -329,7 +329,8 @@ class AutoDecoder:
     ) -> None:
         """The rest of the request by an approximate (particle) setting, from the committed
         text, until its rounds' mean ESS / N falls below the floor."""
-        floor = self.config.ess_floor * choice.config.particles
+        n = choice.config.particles
+        floor = self.config.ess_floor(n) * n  # in ESS, not ESS / N
 
         def low_ess(pop: Population) -> bool:
             return low_ess_of(pop.ess_history, floor)
@@ -352,7 +353,9 @@ class AutoDecoder:
         run.segments[-1].seconds += split["resample"]
         stats = result.stats
         run.ess = (run.ess or []) + list(stats.ess)
-        run.ess_fractions += [e / choice.config.particles for e in stats.ess]
+        if stats.ess:
+            mean = sum(stats.ess) / len(stats.ess) / n
+            run.divergences.append(self.config.divergence(max(mean, 1e-9), n))
         if stats.draft_agreement is not None:
             run.tally.total += stats.draft_agreement * stats.agreement_positions
             run.tally.positions += stats.agreement_positions

@@ -75,7 +75,7 @@ class Tuner:
         self._baseline: StepCosts | None = None  # as profiled (or given)
         self._costs: StepCosts | None = None  # with the requests' times blended in
         self._priors: dict[tuple, float] = {}
-        self._ess: dict[tuple, float] = {}  # smc's mean ESS / N by sampling settings
+        self._divergence: dict[tuple, float] = {}  # smc's chi^2 / N by sampling settings
         self._lock = threading.Lock()
 
     @classmethod
@@ -143,27 +143,25 @@ class Tuner:
 
     def smc_allowed(self, outlook: Outlook) -> bool:
         """Whether smc may be weighed: approximate asked for and its ESS not failed in this
-        request, nor (unseeded) in earlier ones under the same sampling settings, whose mean
-        ESS / N the tuner keeps."""
+        request, nor (unseeded) in earlier ones under the same sampling settings, whose chi^2 / N
+        (from their ESS) the tuner keeps."""
         if not outlook.approximate_allowed:
             return False
-        seen = (
-            None
-            if outlook.sampling.seed is not None
-            else self._ess.get(sampling_key(outlook.sampling))
-        )
-        return seen is None or seen >= outlook.config.ess_floor
+        if outlook.sampling.seed is not None:
+            return True
+        seen = self._divergence.get(sampling_key(outlook.sampling))
+        return seen is None or seen <= outlook.config.max_divergence
 
     def observe(
         self,
         rounds: list[RoundTime],
         sampling: SamplingConfig,
         tally: Tally,
-        ess_fraction: float | None = None,
+        divergence: float | None = None,
     ) -> None:
         """Blend a finished request's round times into the costs (each setting's rounds as one
         observation, `costs.refresh`), its mean agreement into the prior and its smc rounds'
-        mean ESS / N into the one kept for its sampling settings."""
+        chi^2 / N into the one kept for its sampling settings."""
         totals: dict[DecodingConfig, list[float]] = {}
         for r in rounds:
             t = totals.setdefault(r.config, [0, 0.0, 0.0])
@@ -183,9 +181,9 @@ class Tuner:
             if mean is not None and tally.positions >= 4:
                 old = self._priors.get(key, DEFAULT_AGREEMENT)
                 self._priors[key] = (1 - PRIOR_WEIGHT) * old + PRIOR_WEIGHT * mean
-            if ess_fraction is not None:
-                old = self._ess.get(key, ess_fraction)
-                self._ess[key] = (1 - PRIOR_WEIGHT) * old + PRIOR_WEIGHT * ess_fraction
+            if divergence is not None:
+                old = self._divergence.get(key, divergence)
+                self._divergence[key] = (1 - PRIOR_WEIGHT) * old + PRIOR_WEIGHT * divergence
 
 
 def _measured_scale(outlook: Outlook, method: str, a: float) -> float:

@@ -178,11 +178,11 @@ def test_smc_whose_weights_degenerated_before_is_not_weighed_again_unless_seeded
     tuner = tuning.Tuner.fixed(FLAT)
     approximate = AutoConfig(exact=False)
     assert "smc" in {c.method for c in tuner.predictions(outlook(0.5, config=approximate))}
-    tuner.observe([], UNSEEDED, Tally(), ess_fraction=0.6)  # below the floor (0.8)
+    tuner.observe([], UNSEEDED, Tally(), divergence=0.1)  # over the bound (0.03)
     methods_now = {c.method for c in tuner.predictions(outlook(0.5, config=approximate))}
     assert methods_now == {"ar", "sd", "msd"}
     seeded = tuner.predictions(outlook(0.5, config=approximate, sampling=SEEDED))
     assert "smc" in {c.method for c in seeded}  # a seed reads no history
-    for _ in range(3):  # the kept mean (0.7 old + 0.3 new) climbs back over the floor
-        tuner.observe([], UNSEEDED, Tally(), ess_fraction=0.99)
+    for _ in range(4):  # the kept mean (0.7 old + 0.3 new) falls back under the bound
+        tuner.observe([], UNSEEDED, Tally(), divergence=0.001)
     assert "smc" in {c.method for c in tuner.predictions(outlook(0.5, config=approximate))}

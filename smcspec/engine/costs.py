@@ -32,7 +32,6 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
-import statistics
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -49,7 +48,7 @@ from smcspec.engine.loading import cache_root
 from smcspec.models.base import CausalLM
 
 # A request's round time is one sample on a machine whose passes jitter by 10-30% (other work
-# shares the cores), against the profile's medians of several: a quarter of the weight lets a
+# shares the cores), against the profile's fastest of several: a quarter of the weight lets a
 # lasting change take over within a few rounds (half of the old figure is gone after 2.4) while
 # one slow round moves the estimate by a quarter of its excess only.
 REFRESH_WEIGHT = 0.25
@@ -75,8 +74,9 @@ def cpu_model() -> str:
 
 
 def time_forward(model, context: list[int], batch: int, new_tokens: int, reps: int) -> float:
-    """Median seconds of one forward of `new_tokens` tokens per row at `batch` rows, on a cache
-    holding `context` (cropped back after each timing, so every rep sees the same context)."""
+    """Least seconds (of `reps`, after a warm-up) of one forward of `new_tokens` tokens per row
+    at `batch` rows, on a cache holding `context` (cropped back after each timing, so every rep
+    sees the same context)."""
     return time_shapes(model, context, batch, [new_tokens], reps)[new_tokens]
 
 
@@ -102,7 +102,9 @@ def time_shapes(
             drain()
             times.append(time.perf_counter() - start)
             cache.crop(length)
-        out[width] = statistics.median(times[1:])  # the first is a warm-up
+        # the first is a warm-up; the least of the rest: other work on the machine only ever
+        # adds time, so the fastest rep is the closest to what the pass itself costs
+        out[width] = min(times[1:])
     cache.release()
     return out
 
@@ -242,10 +244,10 @@ def measure(
     rows: Sequence[int] = (1, 2, 4, 8),
     max_draft_tokens: int = 8,
     context: int = 128,
-    reps: int = 2,
+    reps: int = 3,
     key: Mapping[str, Any] | None = None,
 ) -> StepCosts:
-    """Median timings of the target at every rows and `profile_widths` tokens per row and of the
+    """The least timings of the target at every rows and `profile_widths` tokens per row and of the
     draft's one-token step at every rows, each with its logits' log-softmax (`time_shapes`),
     over a cache holding `context` positions (fed once per model and rows), fitted."""
     for name, value in (("max_draft_tokens", max_draft_tokens), ("reps", reps)):
@@ -271,7 +273,7 @@ def profile(
     rows: Sequence[int] = (1, 2, 4, 8),
     max_draft_tokens: int = 8,
     context: int = 128,
-    reps: int = 2,
+    reps: int = 3,
     cache_dir: str | Path | None = None,
     reuse: bool = True,
 ) -> StepCosts:

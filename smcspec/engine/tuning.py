@@ -31,10 +31,10 @@ from smcspec.decoding.methods import method_of, method_row
 from smcspec.engine import costs as step_costs
 from smcspec.engine.costs import Grid, RoundTimes, StepCosts
 
-# Before a pair has decoded anything under some sampling settings: the agreement the default
-# pair's drafts reach at T = 1 on code prompts (README, issue 28's sweep), a middle value that
-# starts sd at a moderate K until the request's own positions speak.
-DEFAULT_AGREEMENT = 0.7
+# Before a pair has decoded anything under some sampling settings: about the default pair's sd
+# acceptance on code prompts (0.79 at T = 1.5 to 0.99 at T = 0.7, benchmarks/cpu/sweep-int8),
+# the low end, so that a first choice does not draft deeper than a poor draft repays.
+DEFAULT_AGREEMENT = 0.8
 PRIOR_POSITIONS = 8
 # A switch must promise this much more than staying: predictions from a few positions are
 # noisy, and a switch costs a re-choice's worth of rows changing shape.
@@ -57,6 +57,17 @@ def grid_for(max_particles: int, max_draft_tokens: int) -> Grid:
         n *= 2
     ks = tuple(range(1, max_draft_tokens + 1))
     return Grid(draft_tokens=ks, msd_particles=tuple(ns), smc_particles=tuple(ns) or (2,))
+
+
+def min_divergence(a: float, draft_tokens: int, particles: int) -> float:
+    """The least chi^2 / N that smc's rounds of K drafts can have where sd's acceptance is a:
+    at a position, chi^2(p || q) >= 4 TV(p, q)^2 = 4 (1 - a)^2 (TV <= sqrt(chi^2) / 2), and a
+    round weighs K positions, 1 + chi^2 = prod_k (1 + chi^2_k) (independent positions; the bonus
+    token is exact). A setting over `AutoConfig.max_divergence` by this bound would fail it
+    however its weights fall, so the tuner leaves it out: a seeded request, which keeps no
+    history of smc's ESS, never starts smc only to hand back after a few rounds."""
+    per_position = 4 * (1 - a) ** 2
+    return ((1 + per_position) ** draft_tokens - 1) / particles
 
 
 def handoff_seconds(costs: StepCosts, context: int) -> float:
@@ -123,6 +134,10 @@ class Tuner:
         out = []
         for name, cfg in step_costs.candidates(exact, outlook.has_potential, grid):
             row = method_row(name)
+            if not (row.exact or outlook.has_potential) and (
+                min_divergence(a, cfg.draft_tokens, cfg.particles) > config.max_divergence
+            ):
+                continue  # its weights would degenerate past the bound, whatever q does
             tokens, seconds = step_costs.round_cost(name, cfg, a, costs)
             tokens = 1 + (tokens - 1) * _measured_scale(outlook, name, a)
             rate = tokens / seconds

@@ -76,7 +76,7 @@ def test_the_choice_is_the_highest_prediction_among_the_grid_the_config_allows()
 
 def test_approximate_adds_smc_and_a_potential_leaves_only_smc():
     tuner = tuning.Tuner.fixed(FLAT)
-    approximate = tuner.predictions(outlook(0.5, config=AutoConfig(exact=False)))
+    approximate = tuner.predictions(outlook(0.99, config=AutoConfig(exact=False)))
     assert {c.method for c in approximate} == {"ar", "sd", "msd", "smc"}
     assert not all(c.exact for c in approximate)
     with_potential = tuner.predictions(outlook(0.5, has_potential=True))
@@ -102,7 +102,8 @@ def test_the_prior_counts_as_a_few_positions_and_the_request_soon_outweighs_it()
     few = tuner.agreement(outlook(0.2, positions=2))
     many = tuner.agreement(outlook(0.2, positions=200))
     assert tuning.DEFAULT_AGREEMENT > few > many > 0.2
-    assert many == pytest.approx(0.2, abs=0.02)
+    prior, weight = tuning.DEFAULT_AGREEMENT, tuning.PRIOR_POSITIONS
+    assert many == pytest.approx((0.2 * 200 + prior * weight) / (200 + weight))
 
 
 def test_observe_learns_costs_and_a_prior_but_a_seeded_request_reads_neither():
@@ -135,11 +136,11 @@ def test_measured_msd_rounds_scale_its_predictions():
 def test_smc_chosen_part_way_pays_for_the_prefix_fed_again():
     tuner = tuning.Tuner.fixed(STEEP)
     config = AutoConfig(exact=False)
-    start = {c.config: c.predicted for c in tuner.predictions(outlook(0.5, config=config))}
+    start = {c.config: c.predicted for c in tuner.predictions(outlook(0.99, config=config))}
     later = {
         c.config: c.predicted
         for c in tuner.predictions(
-            outlook(0.5, config=config, current=SDConfig(4), context=2000, remaining=20)
+            outlook(0.99, config=config, current=SDConfig(4), context=2000, remaining=20)
         )
     }
     smc = SMCConfig(2, 4)
@@ -177,12 +178,29 @@ def test_a_seed_repeats_an_auto_decode_whatever_ran_before():
 def test_smc_whose_weights_degenerated_before_is_not_weighed_again_unless_seeded():
     tuner = tuning.Tuner.fixed(FLAT)
     approximate = AutoConfig(exact=False)
-    assert "smc" in {c.method for c in tuner.predictions(outlook(0.5, config=approximate))}
+    assert "smc" in {c.method for c in tuner.predictions(outlook(0.99, config=approximate))}
     tuner.observe([], UNSEEDED, Tally(), divergence=0.1)  # over the bound (0.03)
-    methods_now = {c.method for c in tuner.predictions(outlook(0.5, config=approximate))}
+    methods_now = {c.method for c in tuner.predictions(outlook(0.99, config=approximate))}
     assert methods_now == {"ar", "sd", "msd"}
-    seeded = tuner.predictions(outlook(0.5, config=approximate, sampling=SEEDED))
+    seeded = tuner.predictions(outlook(0.99, config=approximate, sampling=SEEDED))
     assert "smc" in {c.method for c in seeded}  # a seed reads no history
     for _ in range(4):  # the kept mean (0.7 old + 0.3 new) falls back under the bound
         tuner.observe([], UNSEEDED, Tally(), divergence=0.001)
-    assert "smc" in {c.method for c in tuner.predictions(outlook(0.5, config=approximate))}
+    assert "smc" in {c.method for c in tuner.predictions(outlook(0.99, config=approximate))}
+
+
+def test_smc_settings_whose_weights_must_degenerate_at_this_agreement_are_left_out():
+    """chi^2 >= 4 (1 - a)^2 a position: at a = 0.9, K = 8 and N = 2 smc's chi^2 / N is at least
+    (1.04^8 - 1) / 2 = 0.18, over the bound; K = 1 at N = 4 (0.01) is within it. A potential's
+    smc is not left out (nothing else samples it)."""
+    assert tuning.min_divergence(0.9, 8, 2) == pytest.approx((1.04**8 - 1) / 2)
+    tuner = tuning.Tuner.fixed(FLAT)
+    smc = {
+        c.config
+        for c in tuner.predictions(outlook(0.9, config=AutoConfig(exact=False)))
+        if c.method == "smc"
+    }
+    assert SMCConfig(4, 1) in smc and SMCConfig(2, 8) not in smc
+    assert all(tuning.min_divergence(0.9, c.draft_tokens, c.particles) <= 0.03 for c in smc)
+    with_potential = tuner.predictions(outlook(0.5, has_potential=True))
+    assert {c.config for c in with_potential} >= {SMCConfig(2, 8), SMCConfig(4, 8)}

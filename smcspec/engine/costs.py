@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from smcspec.config import ARConfig, DecodingConfig, MSDConfig, SDConfig, SMCConfig
+from smcspec.config import ARConfig, DecodingConfig, MSDConfig, SamplingConfig, SDConfig, SMCConfig
 from smcspec.decoding.base import start_cache
 from smcspec.decoding.methods import method_row
 from smcspec.engine.loading import cache_root
@@ -145,6 +145,9 @@ class StepCosts:
     target_seen: Mapping[tuple[int, int], float] = field(default_factory=dict)
     draft_seen: Mapping[int, float] = field(default_factory=dict)
     key: Mapping[str, Any] = field(default_factory=dict)
+    # method -> (draft, target) multipliers: a real round's draft steps and verify pass over the
+    # bare passes' prices (its sampling laws, draws and accept tests; `measure_rounds`)
+    overhead: Mapping[str, tuple[float, float]] = field(default_factory=dict)
 
     def target(self, rows: int, tokens: int) -> float:
         seen = self.target_seen.get((rows, tokens))
@@ -161,6 +164,7 @@ class StepCosts:
             "draft_fit": list(self.draft_fit),
             "target_seen": [[r, t, s] for (r, t), s in sorted(self.target_seen.items())],
             "draft_seen": [[r, s] for r, s in sorted(self.draft_seen.items())],
+            "overhead": {m: list(v) for m, v in sorted(self.overhead.items())},
         }
 
     @classmethod
@@ -171,6 +175,7 @@ class StepCosts:
             target_seen={(int(r), int(t)): float(s) for r, t, s in data["target_seen"]},
             draft_seen={int(r): float(s) for r, s in data["draft_seen"]},
             key=dict(data["key"]),
+            overhead={m: (float(d), float(t)) for m, (d, t) in data.get("overhead", {}).items()},
         )
 
 
@@ -268,6 +273,40 @@ def measure(
     return from_measurements(target_seen, draft_seen, key)
 
 
+# The settings whose real rounds `measure_rounds` times, one per method: its overhead over the
+# bare passes is read from them and applied to the method's every setting.
+ROUND_PROBES: tuple[tuple[str, DecodingConfig], ...] = (
+    ("ar", ARConfig()),
+    ("sd", SDConfig(draft_tokens=4)),
+    ("msd", MSDConfig(particles=2, draft_tokens=4)),
+    ("smc", SMCConfig(particles=2, draft_tokens=4)),
+)
+
+
+def measure_rounds(
+    target: CausalLM, draft: CausalLM, costs: StepCosts, context: int = 128, new_tokens: int = 31
+) -> StepCosts:
+    """costs with each method's overhead: a decode of `new_tokens` by each of ROUND_PROBES
+    (T = 1, no EOS), its draft and verify stages' seconds over what its rounds' bare passes
+    cost by `costs` (the verify stage holds the target pass and the round's laws and tests)."""
+    ids = [i % target.vocab_size for i in range(context)]
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=new_tokens, stop_at_eos=False)
+    overhead = {}
+    for name, config in ROUND_PROBES:
+        row = method_row(name)
+        decoder = row.decoder(target, draft, config, None, None)
+        out = decoder.decode(ids, sampling, torch.Generator().manual_seed(0))
+        rows, draft_rows = row.kv_rows(config)
+        k = row.lookahead(config)
+        rounds = max(out.rounds, 1)
+        bare_target = rounds * costs.target(rows, k + 1)
+        bare_draft = rounds * k * costs.draft(draft_rows)
+        split = out.stage_seconds
+        draft_more = split["draft"] / bare_draft if bare_draft > 0 else 1.0
+        overhead[name] = (max(1.0, draft_more), max(1.0, split["verify"] / bare_target))
+    return replace(costs, overhead=overhead)
+
+
 def profile(
     llm,
     rows: Sequence[int] = (1, 2, 4, 8),
@@ -288,6 +327,7 @@ def profile(
         file=sys.stderr,
     )
     costs = measure(llm.target, llm.draft, rows, max_draft_tokens, context, reps, key)
+    costs = measure_rounds(llm.target, llm.draft, costs, context)
     save(costs, cache_dir)
     return costs
 
@@ -335,8 +375,10 @@ def round_cost(
         raise ValueError(f"{method!r} takes a {row.config.__name__}, got {config!r}")
     k = row.lookahead(config)
     rows, draft_rows = row.kv_rows(config)
-    draft_seconds = k * costs.draft(draft_rows) if k else 0.0
-    return row.tokens_per_round(config, a), draft_seconds + costs.target(rows, k + 1)
+    draft_more, target_more = costs.overhead.get(method, (1.0, 1.0))
+    draft_seconds = k * costs.draft(draft_rows) * draft_more if k else 0.0
+    seconds = draft_seconds + costs.target(rows, k + 1) * target_more
+    return row.tokens_per_round(config, a), seconds
 
 
 def predict(method: str, config: DecodingConfig, a: float, costs: StepCosts) -> float:

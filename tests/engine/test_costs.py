@@ -149,3 +149,16 @@ def test_profile_measures_the_tiny_native_pair_once(
     assert costs.key == cm.cache_key(llm)
     # measured once: the second call reads the cache (timed anew, no two medians would agree)
     assert cm.profile(llm, rows=(1,), max_draft_tokens=1, context=16, cache_dir=tmp_path) == costs
+
+
+def test_each_methods_round_overhead_multiplies_its_passes_and_is_measured_and_kept():
+    costs = cm.StepCosts(target_fit=(1.0, 0.0), draft_fit=(0.1, 0.0), overhead={"sd": (2.0, 1.5)})
+    assert cm.round_cost("sd", SDConfig(4), 0.5, costs)[1] == pytest.approx(4 * 0.1 * 2 + 1.5)
+    assert cm.round_cost("msd", MSDConfig(2, 4), 0.5, costs)[1] == pytest.approx(4 * 0.1 + 1)
+    from smcspec.models.toy import perturbed_lm, random_lm
+
+    target = random_lm(5, seed=1)
+    measured = cm.measure_rounds(target, perturbed_lm(target, 2, 0.5), costs, 8, new_tokens=9)
+    assert set(measured.overhead) == {"ar", "sd", "msd", "smc"}
+    assert all(d >= 1 and t >= 1 for d, t in measured.overhead.values())
+    assert cm.StepCosts.from_json(measured.to_json()) == measured

@@ -279,8 +279,8 @@ class LLM:
     ) -> Request:
         """Check the request and encode the prompt, loading nothing and running nothing: a
         `Request` that `run` executes. The decoding config's type picks the method
-        (`ARConfig`, `SDConfig`, `SMCConfig`; None: sd, or smc with a potential); None sampling
-        takes `SamplingConfig()`'s defaults. `stop`: a string or a list of strings (none
+        (`ARConfig`, `SDConfig`, `MSDConfig`, `SMCConfig`, `AutoConfig`; None: `AutoConfig()`);
+        None sampling takes `SamplingConfig()`'s defaults. `stop`: a string or a list of strings (none
         empty); the text ends just before the first one and decoding stops once it is certain.
         Bad settings raise ValueError naming the field."""
         stops = check_stops(stop)
@@ -325,9 +325,9 @@ class LLM:
         `decoding.methods.configs_from_fields` reads: each method's (particles, draft_tokens,
         resample_threshold, resampling, allow_large) and every `SamplingConfig` field
         (temperature, draft_temperature, top_k, top_p, max_new_tokens, stop_at_eos, seed, ...).
-        `method` None: sd, or smc when a potential is given; `particles` / `draft_tokens` None:
-        each method's own default (`smcspec.config`: sd K=4; smc N=2, K=8). More than 64
-        particles need `allow_large=True`."""
+        `method` None: auto (`approximate=True` lets it pick smc); `particles` / `draft_tokens`
+        None: each method's own default (`smcspec.config`: sd K=4; smc N=2, K=8; msd N=2,
+        K=4). More than 64 particles need `allow_large=True`."""
         check_stops(stop)  # the cheap checks first, before a constraint compiles
         potential = self.build_potential(
             power_alpha, regex, json_schema, grammar, reward, reward_beta, reward_every, potential

@@ -280,8 +280,9 @@ class LLM:
         """Check the request and encode the prompt, loading nothing and running nothing: a
         `Request` that `run` executes. The decoding config's type picks the method
         (`ARConfig`, `SDConfig`, `MSDConfig`, `SMCConfig`, `AutoConfig`; None: `AutoConfig()`);
-        None sampling takes `SamplingConfig()`'s defaults. `stop`: a string or a list of strings (none
-        empty); the text ends just before the first one and decoding stops once it is certain.
+        None sampling takes `SamplingConfig()`'s defaults. `stop`: a string or a list of
+        strings (none empty); the text ends just before the first one and decoding stops once
+        it is certain.
         Bad settings raise ValueError naming the field."""
         stops = check_stops(stop)
         if decoding is None:

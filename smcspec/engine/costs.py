@@ -157,6 +157,22 @@ class StepCosts:
         seen = self.draft_seen.get(rows)
         return seen if seen is not None else self.draft_fit[0] + self.draft_fit[1] * rows
 
+    def shared(self, requests: int) -> StepCosts:
+        """The marginal costs of one of `requests` whose rows share every pass (a server's
+        continuous batching): the fixed part of a pass (reading the weights, the launches) is
+        paid once for all of them, each pays its own positions. Priced by the fits alone: a
+        measured shape holds the whole fixed part."""
+        if requests <= 1:
+            return self
+        (c_t, b_t), (c_d, b_d) = self.target_fit, self.draft_fit
+        return replace(
+            self,
+            target_fit=(c_t / requests, b_t),
+            draft_fit=(c_d / requests, b_d),
+            target_seen={},
+            draft_seen={},
+        )
+
     def to_json(self) -> dict[str, Any]:
         return {
             "key": dict(self.key),

@@ -88,6 +88,9 @@ class Tuner:
         self._priors: dict[tuple, float] = {}
         self._divergence: dict[tuple, float] = {}  # smc's chi^2 / N by sampling settings
         self._lock = threading.Lock()
+        # requests sharing each forward pass now (a server sets it to its scheduler's running
+        # count): unseeded requests are priced at the marginal cost of their rows
+        self.sharing: Callable[[], int] = lambda: 1
 
     @classmethod
     def fixed(cls, costs: StepCosts) -> Tuner:
@@ -107,10 +110,13 @@ class Tuner:
             self._baseline = self._costs = value
 
     def costs_for(self, s: SamplingConfig) -> StepCosts:
-        """A seeded request's choices read the costs as profiled, the others' the learned ones:
-        a seed must give the same tokens, whatever requests came before."""
+        """A seeded request's choices read the costs as profiled, the others' the learned ones
+        at the marginal price of their rows among the requests sharing each pass (`shared`):
+        a seed must give the same tokens, whatever requests came before or run beside it."""
         learned = self.costs
-        return learned if s.seed is None else self._baseline or learned
+        if s.seed is not None:
+            return self._baseline or learned
+        return learned.shared(self.sharing())
 
     def prior(self, s: SamplingConfig) -> float:
         """The agreement a request starts from: earlier requests' under the same sampling

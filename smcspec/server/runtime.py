@@ -154,6 +154,7 @@ class Server:
             (llm.target, llm.draft), limits.max_running, limits.max_batch_tokens
         )
         self.metrics = ServerMetrics(self.scheduler, defaults.model_name)
+        llm.tuner.sharing = lambda: max(1, self.scheduler.running)
         self._limits = self._built_limits()
         self.context_length = llm.target.context_length
         self.created = int(time.time())

@@ -204,3 +204,16 @@ def test_smc_settings_whose_weights_must_degenerate_at_this_agreement_are_left_o
     assert all(tuning.min_divergence(0.9, c.draft_tokens, c.particles) <= 0.03 for c in smc)
     with_potential = tuner.predictions(outlook(0.5, has_potential=True))
     assert {c.config for c in with_potential} >= {SMCConfig(2, 8), SMCConfig(4, 8)}
+
+
+def test_under_load_an_unseeded_request_pays_only_its_rows_and_drafts_less():
+    """Sixteen requests share each pass: the fixed part of a pass is a sixteenth of each one's,
+    so drafts that may be rejected cost their positions in full and ar's one position a token
+    wins; alone, the same request drafts. A seeded request is priced alone either way."""
+    costs = cm.StepCosts(target_fit=(1.0, 0.05), draft_fit=(0.1, 0.01))
+    tuner = tuning.Tuner.fixed(costs)
+    assert tuner.choose(outlook(0.5)).method != "ar"
+    tuner.sharing = lambda: 16
+    assert tuner.choose(outlook(0.5)).config == ARConfig()
+    assert tuner.costs_for(UNSEEDED).target(1, 1) == pytest.approx(1.0 / 16 + 0.05)
+    assert tuner.choose(outlook(0.5, sampling=SEEDED)).method != "ar"

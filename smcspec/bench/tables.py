@@ -167,6 +167,13 @@ def speed(root: Path, run: str) -> str:
     return caption(path, root) + report.speed_table(report.speed_summary(measurements(path)))
 
 
+def best_fixed(root: Path, run: str) -> str:
+    """Per cell of a speed run: the fastest fixed settings and auto's ratios to them."""
+    path = root / run / "speed.jsonl"
+    rows = report.speed_summary(measurements(path))
+    return caption(path, root) + report.best_fixed_table(report.best_fixed(rows))
+
+
 def against_llama_cpp(root: Path, run: str) -> str:
     """Ours and llama.cpp's, one row per contender, named for a reader who has not seen the
     bench's labels."""
@@ -259,6 +266,10 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "cpu/llama-cpp": lambda root: against_llama_cpp(root, "cpu/llama-cpp"),
     "cpu/sweep-int8": lambda root: speed(root, "cpu/sweep-int8"),
     "cpu/draft-temperature": lambda root: speed(root, "cpu/draft-temperature"),
+    "cpu/auto-sweep": lambda root: speed(root, "cpu/auto-sweep"),
+    "cpu/auto-sweep-best": lambda root: best_fixed(root, "cpu/auto-sweep"),
+    "cpu/auto-draft-temperature": lambda root: speed(root, "cpu/auto-draft-temperature"),
+    "cpu/auto-draft-temperature-best": lambda root: best_fixed(root, "cpu/auto-draft-temperature"),
     "cpu/roofline-int8": lambda root: written(root, "cpu/roofline-int8/before/roofline.md"),
     "cpu/serve": lambda root: serve(root, "cpu/serve"),
     "cpu/serve-replicas": lambda root: serve(root, "cpu/serve-replicas"),

@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -148,6 +149,8 @@ class StepCosts:
     # method -> (draft, target) multipliers: a real round's draft steps and verify pass over the
     # bare passes' prices (its sampling laws, draws and accept tests; `measure_rounds`)
     overhead: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    # (method, rows, K) -> seconds of a real round, measured (`measure_rounds`)
+    rounds_seen: Mapping[tuple[str, int, int], float] = field(default_factory=dict)
 
     def target(self, rows: int, tokens: int) -> float:
         seen = self.target_seen.get((rows, tokens))
@@ -156,6 +159,22 @@ class StepCosts:
     def draft(self, rows: int) -> float:
         seen = self.draft_seen.get(rows)
         return seen if seen is not None else self.draft_fit[0] + self.draft_fit[1] * rows
+
+    def round_seconds(self, method: str, rows: int, k: int) -> float | None:
+        """A real round of `method` at `rows` rows and K = k, from the rounds measured at that
+        method and rows: the one at k, else interpolated (or extended) along K through the two
+        nearest; None where none was measured."""
+        ks = sorted(kk for m, r, kk in self.rounds_seen if m == method and r == rows)
+        if not ks:
+            return None
+        if k in ks or len(ks) == 1:
+            return self.rounds_seen[(method, rows, k if k in ks else ks[0])]
+        lo = max([kk for kk in ks if kk < k], default=ks[0])
+        hi = min([kk for kk in ks if kk > k], default=ks[-1])
+        if lo == hi:  # outside the measured range: the two nearest
+            lo, hi = (ks[0], ks[1]) if k < ks[0] else (ks[-2], ks[-1])
+        t_lo, t_hi = self.rounds_seen[(method, rows, lo)], self.rounds_seen[(method, rows, hi)]
+        return max(0.0, t_lo + (t_hi - t_lo) * (k - lo) / (hi - lo))
 
     def shared(self, requests: int) -> StepCosts:
         """The marginal costs of one of `requests` whose rows share every pass (a server's
@@ -171,6 +190,7 @@ class StepCosts:
             draft_fit=(c_d / requests, b_d),
             target_seen={},
             draft_seen={},
+            rounds_seen={},
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -181,6 +201,7 @@ class StepCosts:
             "target_seen": [[r, t, s] for (r, t), s in sorted(self.target_seen.items())],
             "draft_seen": [[r, s] for r, s in sorted(self.draft_seen.items())],
             "overhead": {m: list(v) for m, v in sorted(self.overhead.items())},
+            "rounds_seen": [[m, r, k, s] for (m, r, k), s in sorted(self.rounds_seen.items())],
         }
 
     @classmethod
@@ -192,6 +213,9 @@ class StepCosts:
             draft_seen={int(r): float(s) for r, s in data["draft_seen"]},
             key=dict(data["key"]),
             overhead={m: (float(d), float(t)) for m, (d, t) in data.get("overhead", {}).items()},
+            rounds_seen={
+                (str(m), int(r), int(k)): float(s) for m, r, k, s in data.get("rounds_seen", [])
+            },
         )
 
 
@@ -289,38 +313,70 @@ def measure(
     return from_measurements(target_seen, draft_seen, key)
 
 
-# The settings whose real rounds `measure_rounds` times, one per method: its overhead over the
-# bare passes is read from them and applied to the method's every setting.
-ROUND_PROBES: tuple[tuple[str, DecodingConfig], ...] = (
-    ("ar", ARConfig()),
-    ("sd", SDConfig(draft_tokens=4)),
-    ("msd", MSDConfig(particles=2, draft_tokens=4)),
-    ("smc", SMCConfig(particles=2, draft_tokens=4)),
-)
+# The draft lengths at which `measure_rounds` times real rounds of each drafting method; the
+# lengths between are interpolated (a round's time is close to affine in K: K draft steps and a
+# pass of K + 1 tokens).
+ROUND_KS = (1, 2, 4, 8)
+
+
+def round_probes(particles: Sequence[int] = (2, 4)) -> list[tuple[str, DecodingConfig]]:
+    """ar; sd at ROUND_KS; msd and smc at each N and ROUND_KS."""
+    out: list[tuple[str, DecodingConfig]] = [("ar", ARConfig())]
+    out += [("sd", SDConfig(draft_tokens=k)) for k in ROUND_KS]
+    for n in particles:
+        out += [("msd", MSDConfig(particles=n, draft_tokens=k)) for k in ROUND_KS]
+        out += [("smc", SMCConfig(particles=n, draft_tokens=k)) for k in ROUND_KS]
+    return out
 
 
 def measure_rounds(
-    target: CausalLM, draft: CausalLM, costs: StepCosts, context: int = 128, new_tokens: int = 31
+    target: CausalLM,
+    draft: CausalLM,
+    costs: StepCosts,
+    prompt: Sequence[int],
+    particles: Sequence[int] = (2, 4),
+    rounds: int = 3,
 ) -> StepCosts:
-    """costs with each method's overhead: a decode of `new_tokens` by each of ROUND_PROBES
-    (T = 1, no EOS), its draft and verify stages' seconds over what its rounds' bare passes
-    cost by `costs` (the verify stage holds the target pass and the round's laws and tests)."""
-    ids = [i % target.vocab_size for i in range(context)]
-    sampling = SamplingConfig(temperature=1.0, max_new_tokens=new_tokens, stop_at_eos=False)
-    overhead = {}
-    for name, config in ROUND_PROBES:
+    """costs with real rounds timed: each of `round_probes` decodes about `rounds` rounds from
+    `prompt` (T = 1, no EOS) and its draft, verify and resample stages' seconds per round are
+    kept by (method, rows, K) (`rounds_seen`); each method's mean ratio of those to its rounds'
+    bare passes is kept as its overhead, for the settings priced by the fits (`shared`). Both
+    carry what bare passes leave out: a round's laws, draws and tests over the vocabulary, and
+    for msd the tree walk, whose depth is the prompt's (so a real prompt, not noise)."""
+    seen: dict[tuple[str, int, int], float] = {}
+    ratios: dict[str, list[tuple[float, float]]] = {}
+    for name, config in round_probes(particles):
         row = method_row(name)
-        decoder = row.decoder(target, draft, config, None, None)
-        out = decoder.decode(ids, sampling, torch.Generator().manual_seed(0))
-        rows, draft_rows = row.kv_rows(config)
         k = row.lookahead(config)
-        rounds = max(out.rounds, 1)
-        bare_target = rounds * costs.target(rows, k + 1)
-        bare_draft = rounds * k * costs.draft(draft_rows)
-        split = out.stage_seconds
-        draft_more = split["draft"] / bare_draft if bare_draft > 0 else 1.0
-        overhead[name] = (max(1.0, draft_more), max(1.0, split["verify"] / bare_target))
-    return replace(costs, overhead=overhead)
+        new_tokens = rounds * (k + 1) + 1
+        sampling = SamplingConfig(temperature=1.0, max_new_tokens=new_tokens, stop_at_eos=False)
+        decoder = row.decoder(target, draft, config, None, None)
+        out = decoder.decode(list(prompt), sampling, torch.Generator().manual_seed(0))
+        split, count = out.stage_seconds, max(out.rounds, 1)
+        rows, draft_rows = row.kv_rows(config)
+        seen[(name, rows, k)] = (split["draft"] + split["verify"] + split["resample"]) / count
+        bare_draft = k * costs.draft(draft_rows)
+        draft_more = split["draft"] / count / bare_draft if bare_draft > 0 else 1.0
+        target_more = (split["verify"] + split["resample"]) / count / costs.target(rows, k + 1)
+        ratios.setdefault(name, []).append((max(1.0, draft_more), max(1.0, target_more)))
+    overhead = {
+        name: (statistics.fmean(d for d, _ in rs), statistics.fmean(t for _, t in rs))
+        for name, rs in ratios.items()
+    }
+    return replace(costs, rounds_seen=seen, overhead=overhead)
+
+
+# What the measured rounds decode from: an ordinary request, so that the draft agrees with the
+# target as it does in use (msd's tree walk goes as deep as that agreement lets it).
+PROFILE_PROMPT = "Write a Python function that checks if a number is prime."
+
+
+def profile_prompt(llm, context: int) -> list[int]:
+    """PROFILE_PROMPT through the pair's chat template, or `context` plain ids without a
+    tokenizer."""
+    if getattr(llm, "tokenizer", None) is None:
+        return [i % llm.target.vocab_size for i in range(context)]
+    return llm.encode(PROFILE_PROMPT)
 
 
 def profile(
@@ -343,20 +399,22 @@ def profile(
         file=sys.stderr,
     )
     costs = measure(llm.target, llm.draft, rows, max_draft_tokens, context, reps, key)
-    costs = measure_rounds(llm.target, llm.draft, costs, context)
+    costs = measure_rounds(llm.target, llm.draft, costs, profile_prompt(llm, context))
     save(costs, cache_dir)
     return costs
 
 
 class RoundTimes(NamedTuple):
     """A request's own timings over `rounds` rounds at `rows` rows and `draft_tokens` (K; 0 for
-    ar): the seconds its draft steps took in all, and its target passes."""
+    ar): the seconds its draft steps took in all, and its target passes; `method`, when given,
+    also refreshes that method's measured round (`rounds_seen`)."""
 
     rows: int
     draft_tokens: int
     rounds: int
     draft_seconds: float
     target_seconds: float
+    method: str | None = None
 
 
 def refresh(costs: StepCosts, observed: RoundTimes, weight: float = REFRESH_WEIGHT) -> StepCosts:
@@ -375,7 +433,12 @@ def refresh(costs: StepCosts, observed: RoundTimes, weight: float = REFRESH_WEIG
     if k > 0:
         step_seconds = observed.draft_seconds / (rounds * k)
         draft_seen[rows] = (1 - weight) * costs.draft(rows) + weight * step_seconds
-    return replace(costs, target_seen=target_seen, draft_seen=draft_seen)
+    rounds_seen = dict(costs.rounds_seen)
+    before = None if observed.method is None else costs.round_seconds(observed.method, rows, k)
+    if before is not None:
+        per_round = (observed.draft_seconds + observed.target_seconds) / rounds
+        rounds_seen[(observed.method, rows, k)] = (1 - weight) * before + weight * per_round
+    return replace(costs, target_seen=target_seen, draft_seen=draft_seen, rounds_seen=rounds_seen)
 
 
 def round_cost(
@@ -391,6 +454,9 @@ def round_cost(
         raise ValueError(f"{method!r} takes a {row.config.__name__}, got {config!r}")
     k = row.lookahead(config)
     rows, draft_rows = row.kv_rows(config)
+    measured = costs.round_seconds(method, rows, k)
+    if measured is not None:
+        return row.tokens_per_round(config, a), measured
     draft_more, target_more = costs.overhead.get(method, (1.0, 1.0))
     draft_seconds = k * costs.draft(draft_rows) * draft_more if k else 0.0
     seconds = draft_seconds + costs.target(rows, k + 1) * target_more

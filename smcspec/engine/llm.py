@@ -124,7 +124,11 @@ class LLM:
         llm.names = (type(target).__name__, type(draft).__name__)
         llm.backend, llm.dtype = "custom", "custom"
         # models built elsewhere have no name to cache their costs under: measured, not cached
-        llm.tuner = Tuner(lambda: costs.measure_rounds(target, draft, costs.measure(target, draft)))
+        llm.tuner = Tuner(
+            lambda: costs.measure_rounds(
+                target, draft, costs.measure(target, draft), costs.profile_prompt(llm, 32)
+            )
+        )
         return llm
 
     def _setup(self, target: CausalLM, draft: CausalLM, tokenizer: Any) -> None:

@@ -193,7 +193,7 @@ class Tuner:
         for config, (count, draft_s, target_s) in totals.items():
             row = method_row(method_of(config))
             rows = row.kv_rows(config)[0]
-            seen = RoundTimes(rows, row.lookahead(config), int(count), draft_s, target_s)
+            seen = RoundTimes(rows, row.lookahead(config), int(count), draft_s, target_s, row.name)
             costs = step_costs.refresh(costs, seen)
         with self._lock:
             self._costs = costs

@@ -158,7 +158,15 @@ def test_each_methods_round_overhead_multiplies_its_passes_and_is_measured_and_k
     from smcspec.models.toy import perturbed_lm, random_lm
 
     target = random_lm(5, seed=1)
-    measured = cm.measure_rounds(target, perturbed_lm(target, 2, 0.5), costs, 8, new_tokens=9)
+    measured = cm.measure_rounds(target, perturbed_lm(target, 2, 0.5), costs, [1, 2, 3])
     assert set(measured.overhead) == {"ar", "sd", "msd", "smc"}
+    assert set(measured.rounds_seen) == {
+        (name, cm.method_row(name).kv_rows(c)[0], cm.method_row(name).lookahead(c))
+        for name, c in cm.round_probes()
+    }
+    # a measured round prices its setting; K between those measured is interpolated
+    sd2, sd4 = measured.rounds_seen[("sd", 1, 2)], measured.rounds_seen[("sd", 1, 4)]
+    assert cm.round_cost("sd", SDConfig(2), 0.5, measured)[1] == sd2
+    assert cm.round_cost("sd", SDConfig(3), 0.5, measured)[1] == pytest.approx((sd2 + sd4) / 2)
     assert all(d >= 1 and t >= 1 for d, t in measured.overhead.values())
     assert cm.StepCosts.from_json(measured.to_json()) == measured

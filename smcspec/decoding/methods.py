@@ -55,7 +55,9 @@ class Method:
     probability a (see `round_tokens`; None for auto, which is no one setting); `potentials`:
     whether a potential may be given (sd samples p exactly by rejection and cannot take one);
     `exact`: whether the output's law is the target's (auto's by default, `AutoConfig.exact`);
-    `chooses`: whether it picks other rows' settings with the engine's tuner (auto)."""
+    `chooses`: whether it picks other rows' settings with the engine's tuner (auto);
+    `tokens_exact`: whether `tokens_per_round` is the expectation itself (msd's is a model:
+    the engine calibrates it on measured rounds)."""
 
     name: str
     config: type
@@ -67,6 +69,7 @@ class Method:
     summary: str
     exact: bool
     chooses: bool = False
+    tokens_exact: bool = True
 
     @property
     def settings(self) -> tuple[str, ...]:
@@ -130,6 +133,7 @@ TABLE: dict[str, Method] = {
             potentials=False,
             summary="multi-draft speculative decoding: N drafts of K tokens a round, exact",
             exact=True,
+            tokens_exact=False,
         ),
         Method(
             "auto",

@@ -151,6 +151,9 @@ class StepCosts:
     overhead: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     # (method, rows, K) -> seconds of a real round, measured (`measure_rounds`)
     rounds_seen: Mapping[tuple[str, int, int], float] = field(default_factory=dict)
+    # (method, rows, K) -> the tokens beyond the first a measured round committed over what the
+    # method's model predicts at the agreement it measured (`measure_rounds`)
+    tokens_seen: Mapping[tuple[str, int, int], float] = field(default_factory=dict)
 
     def target(self, rows: int, tokens: int) -> float:
         seen = self.target_seen.get((rows, tokens))
@@ -162,19 +165,25 @@ class StepCosts:
 
     def round_seconds(self, method: str, rows: int, k: int) -> float | None:
         """A real round of `method` at `rows` rows and K = k, from the rounds measured at that
-        method and rows: the one at k, else interpolated (or extended) along K through the two
-        nearest; None where none was measured."""
-        ks = sorted(kk for m, r, kk in self.rounds_seen if m == method and r == rows)
-        if not ks:
+        method and rows: the least-squares line through them along K (`fit_affine`: a round is
+        K draft steps and a pass of K + 1 tokens, close to affine in K, and the line smooths a
+        noisy point); None where none was measured."""
+        points = [
+            (kk, t) for (m, r, kk), t in self.rounds_seen.items() if m == method and r == rows
+        ]
+        if not points:
             return None
-        if k in ks or len(ks) == 1:
-            return self.rounds_seen[(method, rows, k if k in ks else ks[0])]
-        lo = max([kk for kk in ks if kk < k], default=ks[0])
-        hi = min([kk for kk in ks if kk > k], default=ks[-1])
-        if lo == hi:  # outside the measured range: the two nearest
-            lo, hi = (ks[0], ks[1]) if k < ks[0] else (ks[-2], ks[-1])
-        t_lo, t_hi = self.rounds_seen[(method, rows, lo)], self.rounds_seen[(method, rows, hi)]
-        return max(0.0, t_lo + (t_hi - t_lo) * (k - lo) / (hi - lo))
+        c, b = fit_affine(points)
+        return c + b * k
+
+    def tokens_scale(self, method: str, rows: int, k: int) -> float:
+        """`tokens_seen` at (method, rows, k), or the nearest K measured at those rows; 1 where
+        none was (the model as it is)."""
+        ks = [kk for m, r, kk in self.tokens_seen if m == method and r == rows]
+        if not ks:
+            return 1.0
+        nearest = min(ks, key=lambda kk: (abs(kk - k), kk))
+        return self.tokens_seen[(method, rows, nearest)]
 
     def shared(self, requests: int) -> StepCosts:
         """The marginal costs of one of `requests` whose rows share every pass (a server's
@@ -202,6 +211,7 @@ class StepCosts:
             "draft_seen": [[r, s] for r, s in sorted(self.draft_seen.items())],
             "overhead": {m: list(v) for m, v in sorted(self.overhead.items())},
             "rounds_seen": [[m, r, k, s] for (m, r, k), s in sorted(self.rounds_seen.items())],
+            "tokens_seen": [[m, r, k, s] for (m, r, k), s in sorted(self.tokens_seen.items())],
         }
 
     @classmethod
@@ -215,6 +225,9 @@ class StepCosts:
             overhead={m: (float(d), float(t)) for m, (d, t) in data.get("overhead", {}).items()},
             rounds_seen={
                 (str(m), int(r), int(k)): float(s) for m, r, k, s in data.get("rounds_seen", [])
+            },
+            tokens_seen={
+                (str(m), int(r), int(k)): float(s) for m, r, k, s in data.get("tokens_seen", [])
             },
         )
 
@@ -317,6 +330,7 @@ def measure(
 # lengths between are interpolated (a round's time is close to affine in K: K draft steps and a
 # pass of K + 1 tokens).
 ROUND_KS = (1, 2, 4, 8)
+PROBE_PRIOR_ROUNDS = 2
 
 
 def round_probes(particles: Sequence[int] = (2, 4)) -> list[tuple[str, DecodingConfig]]:
@@ -329,13 +343,31 @@ def round_probes(particles: Sequence[int] = (2, 4)) -> list[tuple[str, DecodingC
     return out
 
 
+class _Rounds:
+    """A watch that stops a decode after `rounds` rounds and keeps the time between its calls:
+    each round's wall time but the first's (which holds the prefill)."""
+
+    def __init__(self, rounds: int) -> None:
+        self.rounds = rounds
+        self.calls: list[float] = []
+
+    def __call__(self, _tokens: list[int]) -> bool:
+        drain()
+        self.calls.append(time.perf_counter())
+        return len(self.calls) > self.rounds
+
+    def seconds(self) -> float:
+        """The median round: other work on the machine slows a round now and then."""
+        return statistics.median(b - a for a, b in zip(self.calls, self.calls[1:], strict=False))
+
+
 def measure_rounds(
     target: CausalLM,
     draft: CausalLM,
     costs: StepCosts,
     prompt: Sequence[int],
     particles: Sequence[int] = (2, 4),
-    rounds: int = 3,
+    rounds: int = 5,
 ) -> StepCosts:
     """costs with real rounds timed: each of `round_probes` decodes about `rounds` rounds from
     `prompt` (T = 1, no EOS) and its draft, verify and resample stages' seconds per round are
@@ -344,17 +376,29 @@ def measure_rounds(
     carry what bare passes leave out: a round's laws, draws and tests over the vocabulary, and
     for msd the tree walk, whose depth is the prompt's (so a real prompt, not noise)."""
     seen: dict[tuple[str, int, int], float] = {}
+    tokens: dict[tuple[str, int, int], float] = {}
     ratios: dict[str, list[tuple[float, float]]] = {}
     for name, config in round_probes(particles):
         row = method_row(name)
         k = row.lookahead(config)
-        new_tokens = rounds * (k + 1) + 1
+        # room for K-token rounds to the end; the watch stops after `rounds` of them
+        new_tokens = (rounds + 2) * (k + 1) + 1
         sampling = SamplingConfig(temperature=1.0, max_new_tokens=new_tokens, stop_at_eos=False)
         decoder = row.decoder(target, draft, config, None, None)
-        out = decoder.decode(list(prompt), sampling, torch.Generator().manual_seed(0))
-        split, count = out.stage_seconds, max(out.rounds, 1)
+        clock = _Rounds(rounds)
+        out = decoder.decode(list(prompt), sampling, torch.Generator().manual_seed(0), clock)
+        split, count = out.stage_seconds, max(out.rounds, 1)  # every round drafted K
         rows, draft_rows = row.kv_rows(config)
-        seen[(name, rows, k)] = (split["draft"] + split["verify"] + split["resample"]) / count
+        seen[(name, rows, k)] = clock.seconds()
+        a = out.stats.to_dict().get("draft_agreement")
+        if k and a is not None and not row.tokens_exact:
+            model = row.tokens_per_round(config, a) - 1
+            measured = len(out.tokens) / count - 1
+            # shrunk toward 1 by PROBE_PRIOR_ROUNDS rounds of the model: a few rounds are noisy
+            scale = (measured * count + model * PROBE_PRIOR_ROUNDS) / (
+                model * (count + PROBE_PRIOR_ROUNDS)
+            )
+            tokens[(name, rows, k)] = scale if model > 0 else 1.0
         bare_draft = k * costs.draft(draft_rows)
         draft_more = split["draft"] / count / bare_draft if bare_draft > 0 else 1.0
         target_more = (split["verify"] + split["resample"]) / count / costs.target(rows, k + 1)
@@ -363,7 +407,7 @@ def measure_rounds(
         name: (statistics.fmean(d for d, _ in rs), statistics.fmean(t for _, t in rs))
         for name, rs in ratios.items()
     }
-    return replace(costs, rounds_seen=seen, overhead=overhead)
+    return replace(costs, rounds_seen=seen, tokens_seen=tokens, overhead=overhead)
 
 
 # What the measured rounds decode from: an ordinary request, so that the draft agrees with the
@@ -454,13 +498,16 @@ def round_cost(
         raise ValueError(f"{method!r} takes a {row.config.__name__}, got {config!r}")
     k = row.lookahead(config)
     rows, draft_rows = row.kv_rows(config)
+    tokens = row.tokens_per_round(config, a)
+    scale = costs.tokens_scale(method, rows, k)
+    tokens = 1 + (tokens - 1) * scale
     measured = costs.round_seconds(method, rows, k)
     if measured is not None:
-        return row.tokens_per_round(config, a), measured
+        return tokens, measured
     draft_more, target_more = costs.overhead.get(method, (1.0, 1.0))
     draft_seconds = k * costs.draft(draft_rows) * draft_more if k else 0.0
     seconds = draft_seconds + costs.target(rows, k + 1) * target_more
-    return row.tokens_per_round(config, a), seconds
+    return tokens, seconds
 
 
 def predict(method: str, config: DecodingConfig, a: float, costs: StepCosts) -> float:

@@ -31,10 +31,10 @@ from smcspec.decoding.methods import method_of, method_row
 from smcspec.engine import costs as step_costs
 from smcspec.engine.costs import Grid, RoundTimes, StepCosts
 
-# Before a pair has decoded anything under some sampling settings: about the default pair's sd
-# acceptance on code prompts (0.79 at T = 1.5 to 0.99 at T = 0.7, benchmarks/cpu/sweep-int8),
-# the low end, so that a first choice does not draft deeper than a poor draft repays.
-DEFAULT_AGREEMENT = 0.8
+# Before a pair has decoded anything under some sampling settings: the middle of the default
+# pair's measured sd acceptance on code prompts (0.77 with a draft at T = 2 to 1.00 at T = 0.7;
+# benchmarks/cpu/auto-sweep, HumanEval prompts 0-2), where most requests (T <= 1) sit.
+DEFAULT_AGREEMENT = 0.9
 PRIOR_POSITIONS = 8
 # A switch must promise this much more than staying: predictions from a few positions are
 # noisy, and a switch costs a re-choice's worth of rows changing shape.
@@ -145,7 +145,7 @@ class Tuner:
             ):
                 continue  # its weights would degenerate past the bound, whatever q does
             tokens, seconds = step_costs.round_cost(name, cfg, a, costs)
-            tokens = 1 + (tokens - 1) * _measured_scale(outlook, name, a)
+            tokens = 1 + (tokens - 1) * _measured_scale(outlook, name, a, costs)
             rate = tokens / seconds
             if not row.exact and outlook.current is not None:
                 rate = _with_handoff(rate, costs, outlook)
@@ -207,18 +207,22 @@ class Tuner:
                 self._divergence[key] = (1 - PRIOR_WEIGHT) * old + PRIOR_WEIGHT * divergence
 
 
-def _measured_scale(outlook: Outlook, method: str, a: float) -> float:
+def _measured_scale(outlook: Outlook, method: str, a: float, costs: StepCosts) -> float:
     """A method's measured tokens beyond the first per round over its model's (the table's
     `tokens_per_round` at a), from this request's rounds of any of its settings, each side
     with PRIOR_POSITIONS / 4 rounds of the model added; 1 where none ran. It corrects msd's
-    model (exact only for a point-mass target); for sd and smc it stays near 1."""
+    model (exact only for a point-mass target); for sd and smc it stays near 1. The model is
+    the one `costs` already scaled by what the profile's rounds committed."""
     row = method_row(method)
     rounds = measured = predicted = 0.0
     for cfg, (n, tokens) in outlook.measured.items():
         if method_of(cfg) == row.name:
             rounds += n
             measured += tokens - n
-            predicted += (row.tokens_per_round(cfg, a) - 1) * n
+            k, rows = row.lookahead(cfg), row.kv_rows(cfg)[0]
+            predicted += (
+                (row.tokens_per_round(cfg, a) - 1) * costs.tokens_scale(row.name, rows, k) * n
+            )
     if rounds == 0 or predicted <= 0:
         return 1.0
     prior = PRIOR_POSITIONS / 4 * predicted / rounds

@@ -164,9 +164,9 @@ def test_each_methods_round_overhead_multiplies_its_passes_and_is_measured_and_k
         (name, cm.method_row(name).kv_rows(c)[0], cm.method_row(name).lookahead(c))
         for name, c in cm.round_probes()
     }
-    # a measured round prices its setting; K between those measured is interpolated
-    sd2, sd4 = measured.rounds_seen[("sd", 1, 2)], measured.rounds_seen[("sd", 1, 4)]
-    assert cm.round_cost("sd", SDConfig(2), 0.5, measured)[1] == sd2
-    assert cm.round_cost("sd", SDConfig(3), 0.5, measured)[1] == pytest.approx((sd2 + sd4) / 2)
+    # measured rounds price a method's settings by their line along K
+    c, b = cm.fit_affine((k, t) for (m, r, k), t in measured.rounds_seen.items() if m == "sd")
+    for k in (2, 3, 7):
+        assert cm.round_cost("sd", SDConfig(k), 0.5, measured)[1] == pytest.approx(c + b * k)
     assert all(d >= 1 and t >= 1 for d, t in measured.overhead.values())
     assert cm.StepCosts.from_json(measured.to_json()) == measured

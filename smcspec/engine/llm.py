@@ -20,7 +20,7 @@ from smcspec.config import DecodingConfig, EngineLimits, SamplingConfig, Setting
 from smcspec.decoding import Decoder, DecodeResult, methods
 from smcspec.decoding.base import Stats, Watch
 from smcspec.decoding.logprobs import TokenLogprobs, score_prompt
-from smcspec.engine import costs
+from smcspec.engine import costs, probes
 from smcspec.engine.loading import load_pair
 from smcspec.engine.request import Request, build_potential
 from smcspec.engine.scheduler import Job, Scheduler
@@ -100,7 +100,7 @@ class LLM:
         self._setup(pair.target, pair.draft, pair.tokenizer)
         self.names, self.backend, self.dtype = pair.names, pair.backend, pair.dtype
         # auto's costs: profiled on its first choice, once per machine and pair (then cached)
-        self.tuner = Tuner(lambda: costs.profile(self, cache_dir=cache_dir))
+        self.tuner = Tuner(lambda: probes.profile(self, cache_dir=cache_dir))
 
     @classmethod
     def from_models(
@@ -125,8 +125,8 @@ class LLM:
         llm.backend, llm.dtype = "custom", "custom"
         # models built elsewhere have no name to cache their costs under: measured, not cached
         llm.tuner = Tuner(
-            lambda: costs.measure_rounds(
-                target, draft, costs.measure(target, draft), costs.profile_prompt(llm, 32)
+            lambda: probes.measure_rounds(
+                target, draft, costs.measure(target, draft), probes.profile_prompt(llm, 32)
             )
         )
         return llm

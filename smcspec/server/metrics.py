@@ -99,17 +99,7 @@ class ServerMetrics:
             buckets=FRACTION_BUCKETS,
             registry=r,
         )
-        self.auto_rounds = Counter(
-            "smcspec:auto_rounds",
-            "rounds auto ran, by the setting it chose (method, N, K)",
-            ["model_name", "setting"],
-            registry=r,
-        )
-        self.auto_speed = self._histogram(
-            "smcspec:auto_measured_over_predicted",
-            "each setting auto chose: its measured tokens/s over the tokens/s it predicted",
-            RATIO_BUCKETS,
-        )
+        self._auto_metrics()
         self.first_token = self._histogram(
             "smcspec:time_to_first_token_seconds", "time to the first streamed text", TTFT_BUCKETS
         )
@@ -119,6 +109,20 @@ class ServerMetrics:
         self._lock = threading.Lock()
         self._recent: deque[tuple[float, int]] = deque()
         r.register(_Live(self))
+
+    def _auto_metrics(self) -> None:
+        """auto's: the rounds of each setting it chose, its measured over predicted speed."""
+        self.auto_rounds = Counter(
+            "smcspec:auto_rounds",
+            "rounds auto ran, by the setting it chose (method, N, K)",
+            ["model_name", "setting"],
+            registry=self.registry,
+        )
+        self.auto_speed = self._histogram(
+            "smcspec:auto_measured_over_predicted",
+            "each setting auto chose: its measured tokens/s over the tokens/s it predicted",
+            RATIO_BUCKETS,
+        )
 
     def _counter(self, metric: str, doc: str) -> Any:
         """A counter's only series, this server's model's."""

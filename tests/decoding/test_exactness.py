@@ -47,8 +47,8 @@ SETTINGS = {
 }
 
 
-# The broken samplers below are rejected from a quarter of R (p below 1e-12 there, see each
-# test): rejecting from fewer samples is the stronger claim, and each saves 3/4 of a full draw.
+# The broken samplers below are rejected at ALPHA from a quarter of R: rejecting from fewer
+# samples is the stronger claim, and each saves three quarters of a full draw.
 R_BROKEN = R // 4
 
 

@@ -12,7 +12,7 @@ import torch
 
 from smcspec.config import ARConfig, MSDConfig, SDConfig, SMCConfig
 from smcspec.decoding.round_tokens import msd_tokens_per_round, sd_tokens_per_round
-from smcspec.engine import LLM
+from smcspec.engine import LLM, probes
 from smcspec.engine import costs as cm
 
 
@@ -140,7 +140,9 @@ def test_profile_measures_the_tiny_native_pair_once(
         str(tiny_llama_folder), str(tiny_llama_draft_folder), backend="native", dtype="float32"
     )
     start = time.perf_counter()
-    costs = cm.profile(llm, rows=(1, 2), max_draft_tokens=2, context=16, reps=1, cache_dir=tmp_path)
+    costs = probes.profile(
+        llm, rows=(1, 2), max_draft_tokens=2, context=16, reps=1, cache_dir=tmp_path
+    )
     assert time.perf_counter() - start < 10
     assert set(costs.target_seen) == {(r, t) for r in (1, 2) for t in (1, 2, 3)}
     assert set(costs.draft_seen) == {1, 2}
@@ -148,7 +150,9 @@ def test_profile_measures_the_tiny_native_pair_once(
     assert all(math.isfinite(s) and s > 0 for s in every), every
     assert costs.key == cm.cache_key(llm)
     # measured once: the second call reads the cache (timed anew, no two medians would agree)
-    assert cm.profile(llm, rows=(1,), max_draft_tokens=1, context=16, cache_dir=tmp_path) == costs
+    assert (
+        probes.profile(llm, rows=(1,), max_draft_tokens=1, context=16, cache_dir=tmp_path) == costs
+    )
 
 
 def test_each_methods_round_overhead_multiplies_its_passes_and_is_measured_and_kept():
@@ -158,11 +162,11 @@ def test_each_methods_round_overhead_multiplies_its_passes_and_is_measured_and_k
     from smcspec.models.toy import perturbed_lm, random_lm
 
     target = random_lm(5, seed=1)
-    measured = cm.measure_rounds(target, perturbed_lm(target, 2, 0.5), costs, [1, 2, 3])
+    measured = probes.measure_rounds(target, perturbed_lm(target, 2, 0.5), costs, [1, 2, 3])
     assert set(measured.overhead) == {"ar", "sd", "msd", "smc"}
     assert set(measured.rounds_seen) == {
         (name, cm.method_row(name).kv_rows(c)[0], cm.method_row(name).lookahead(c))
-        for name, c in cm.round_probes()
+        for name, c in probes.round_probes()
     }
     # measured rounds price a method's settings by their line along K
     c, b = cm.fit_affine((k, t) for (m, r, k), t in measured.rounds_seen.items() if m == "sd")

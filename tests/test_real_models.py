@@ -178,7 +178,9 @@ def test_server_streams_schema_constrained_json_on_the_default_pair(llm):
     from smcspec.server.app import ServeDefaults
     from tests.server.conftest import serve
 
-    handle, server, thread = serve(llm, ServeDefaults("qwen", particles=2, draft_tokens=3))
+    handle, server, thread = serve(
+        llm, ServeDefaults("qwen", method="smc", particles=2, draft_tokens=3)
+    )
     try:
         fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
         stream = handle.client().chat.completions.create(

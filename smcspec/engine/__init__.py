@@ -14,6 +14,7 @@ from smcspec.decoding.methods import (
     method_names,
     method_row,
 )
+from smcspec.decoding.methods import resolve as resolve_method
 from smcspec.engine.llm import LLM, GenerationResult
 from smcspec.engine.loading import (
     BACKENDS,
@@ -49,6 +50,7 @@ __all__ = [
     "method_fields",
     "method_names",
     "method_row",
+    "resolve_method",
     "setting_label",
     "start_cache",
 ]

@@ -21,6 +21,7 @@ caches of its own: its prediction pays that (`handoff_seconds`) over the tokens 
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 
@@ -30,6 +31,7 @@ from smcspec.decoding.auto import Choice, Outlook, RoundTime
 from smcspec.decoding.methods import method_of, method_row
 from smcspec.engine import costs as step_costs
 from smcspec.engine.costs import Grid, RoundTimes, StepCosts
+from smcspec.kv.pages import OutOfPages
 
 # Before a pair has decoded anything under some sampling settings: the middle of the default
 # pair's measured sd acceptance on code prompts (0.77 with a draft at T = 2 to 1.00 at T = 0.7;
@@ -101,7 +103,16 @@ class Tuner:
         """The costs, learned from the requests so far."""
         with self._lock:
             if self._costs is None:
-                self._baseline = self._costs = self._source()
+                try:
+                    measured = self._source()
+                except OutOfPages as err:  # a KV pool too small to profile in
+                    print(
+                        f"smcspec: auto's step costs not measured ({err}); it prices every "
+                        "position alike",
+                        file=sys.stderr,
+                    )
+                    measured = StepCosts(target_fit=(1.0, 0.0), draft_fit=(0.1, 0.0))
+                self._baseline = self._costs = measured
             return self._costs
 
     @costs.setter

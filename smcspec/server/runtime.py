@@ -29,7 +29,15 @@ from smcspec.config import (
     SettingError,
     SMCConfig,
 )
-from smcspec.engine import LLM, GenerationResult, Request, configs_from_fields, lookahead
+from smcspec.engine import (
+    LLM,
+    GenerationResult,
+    Request,
+    configs_from_fields,
+    lookahead,
+    method_fields,
+    resolve_method,
+)
 from smcspec.engine.scheduler import Cancelled, Job, Scheduler
 from smcspec.engine.text import check_stops
 from smcspec.potentials import Potential
@@ -113,15 +121,8 @@ class ServeDefaults:
     def method_settings(self) -> dict[str, Any]:
         """The decoding settings a request falls back on, named as `configs_from_fields` reads
         them."""
-        names = (
-            "method",
-            "particles",
-            "draft_tokens",
-            "resample_threshold",
-            "resampling",
-            "approximate",
-        )
-        return {name: getattr(self, name) for name in names}
+        names = ("method", "approximate", *method_fields())  # None: a field it does not set
+        return {name: getattr(self, name, None) for name in names}
 
 
 def _check_api_key(key: str | None) -> None:
@@ -147,9 +148,9 @@ class Server:
         self.llm = llm
         self.defaults = defaults
         limits = llm.limits
-        # auto's step costs (the default method's), measured now if this machine has none
-        # cached: once the scheduler runs, its thread alone may run forward passes
-        _ = llm.tuner.costs
+        # auto's costs measured (if not cached) before the scheduler, whose thread alone may run
+        if resolve_method(defaults.method).chooses:
+            _ = llm.tuner.costs
         self.scheduler = Scheduler(
             (llm.target, llm.draft), limits.max_running, limits.max_batch_tokens
         )
@@ -265,7 +266,7 @@ class Server:
     def _method_fields(self, body: GenerationFields) -> dict[str, Any]:
         """The request's decoding settings, the server's defaults where it gives none."""
         defaults = self.defaults.method_settings
-        return {name: _given(getattr(body, name), value) for name, value in defaults.items()}
+        return {name: _given(getattr(body, name, None), value) for name, value in defaults.items()}
 
     def _potential(self, body: GenerationFields) -> Potential | None:
         """The request's potential, built once: every choice shares it (each particle gets its

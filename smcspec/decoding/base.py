@@ -208,12 +208,19 @@ class SharedCaches:
         return [c for c in (self.target, self._draft) if c is not None]
 
     def restart(self, seq_len: int, rows: int, winner: int = 0) -> None:
-        """After a round: crop every cache to the committed text's seq_len - 1 (`rollback`) and
-        give it `rows` rows, each a copy of row `winner` (page tables, no copy)."""
-        for cache in self.made():
-            rollback(cache, seq_len)
-            if cache.batch_size != rows or winner != 0:
-                cache.select(torch.full((rows,), winner, dtype=torch.long))
+        """After a round: `restart_rows` on every cache made."""
+        restart_rows(self.made(), seq_len, rows, winner)
+
+
+def restart_rows(caches: list[KVCache], seq_len: int, rows: int, winner: int) -> None:
+    """After a round: crop each cache to the committed text's seq_len - 1 (`rollback`) and give
+    it `rows` rows, each a copy of row `winner` (page tables, no copy). Rows beside the winner
+    hold their own drafts below seq_len - 1, so they are always replaced; only a lone row that
+    is the winner stays as it is."""
+    for cache in caches:
+        rollback(cache, seq_len)
+        if not (cache.batch_size == rows == 1 and winner == 0):
+            cache.select(torch.full((rows,), winner, dtype=torch.long))
 
 
 def check_prompt(prompt: list[int], model: CausalLM) -> None:

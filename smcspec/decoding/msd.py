@@ -53,6 +53,7 @@ from smcspec.decoding.base import (
     check_prompt,
     pending,
     released,
+    restart_rows,
     rollback,
     start_cache,
 )
@@ -228,11 +229,13 @@ class MultiDraftDecoder:
 
     def restart(self, caches: tuple[KVCache, KVCache], seq_len: int, winner: int | None) -> None:
         """Every row restarts from the accepted path, which the winner's rows hold: cropped to
-        the committed tokens, then forked N times (by page tables). None: the last round."""
-        for cache in caches:
-            rollback(cache, seq_len)
-            if winner is not None and self.config.particles > 1:
-                cache.select(torch.full((self.config.particles,), winner))
+        the committed tokens, then forked N times (by page tables). None: the last round, whose
+        rows are only cropped."""
+        if winner is None:
+            for cache in caches:
+                rollback(cache, seq_len)
+        else:
+            restart_rows(list(caches), seq_len, self.config.particles, winner)
 
 
 def residual_scales(

@@ -35,6 +35,7 @@ R = 8000
 # each round the next of these, in turn: every switch among them happens in a 5-token decode
 CYCLE = (
     MSDConfig(2, 1),
+    MSDConfig(2, 2),  # msd after msd at the same N: its rows must restart from the winner's
     SDConfig(2),
     MSDConfig(4, 2),
     ARConfig(),

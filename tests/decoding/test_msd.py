@@ -240,6 +240,7 @@ def test_msd_reaches_its_config_from_python_the_cli_and_http(tiny_llm, monkeypat
         built.append(config)
         return row.decoder(target, draft, config, potential, tuner)
 
+    _ = tiny_llm.tuner.costs  # auto's profile (a server measures it at start) runs msd too
     monkeypatch.setitem(methods.TABLE, "msd", dataclasses.replace(row, decoder=decoder))
     out = tiny_llm.generate("w1 w2", "msd", particles=3, draft_tokens=2, max_new_tokens=4, seed=0)
     assert out.method == "msd" and built == [MSDConfig(3, 2)]

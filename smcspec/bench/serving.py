@@ -127,6 +127,10 @@ def _measure_server(
         return  # all measured: no server to start
     port = free_port()
     args = [*serve_args, "--max-running", str(max(plan.concurrency))]
+    if not any(label.startswith("auto") for label in plan.methods) and "--method" not in args:
+        # every request names its method; a server whose default is auto would first measure
+        # auto's step costs for nothing
+        args += ["--method", "ar"]
     if replicas:  # the machine's cores shared out, so that n replicas compute on all of them
         cpus = max(1, (os.cpu_count() or 1) // replicas)
         args += ["--replicas", str(replicas), "--replica-cpus", str(cpus)]

@@ -99,3 +99,28 @@ def test_serve_methods_are_bench_speed_labels_checked_as_the_server_checks_them(
         ServePlan(methods=("ar", "msd N=0 K=4"))
     with pytest.raises(ValueError, match=r"'smc N=65 K=4': particles .* <= 64"):
         ServePlan(methods=("smc N=65 K=4",))
+
+
+class _Started(Exception):
+    pass
+
+
+@pytest.mark.parametrize(("methods", "default"), [(("sd K=4", "ar"), "ar"), (("auto",), None)])
+def test_the_server_measures_autos_costs_only_when_auto_is_benched(
+    tmp_path, monkeypatch, methods, default
+):
+    """Every request names its method: a server started for fixed settings alone defaults to ar,
+    so that it does not first profile auto's step costs (about 100 s on the default pair)."""
+    started: list[list[str]] = []
+
+    def start(args, port):
+        started.append(args)
+        raise _Started
+
+    monkeypatch.setattr(serving, "_start", start)
+    plan = ServePlan(methods=methods, concurrency=(1,), requests=1, max_tokens=2)
+    with pytest.raises(_Started):
+        serving._measure_server(plan, 0, ["--dtype", "float32"], tmp_path, [], "prompts")
+    args = started[0]
+    given = args[args.index("--method") + 1] if "--method" in args else None
+    assert given == default

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from smcspec.bench.machine import free_port
 
 VERSION = "0.3.36"  # llama-cpp-python, as pinned in scripts/build_llama_cpp
 METHODS = ("llama-cpp", "llama-cpp-spec")
@@ -209,7 +210,7 @@ class _Server:
     """One llama-server with target and draft on a free loopback port."""
 
     def __init__(self, pair: GGUFPair, k: int, bin_dir: Path, threads: int) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         cmd = [str(bin_dir / "llama-server"), "-m", str(pair.target), "-md", str(pair.draft)]
         cmd += ["--spec-type", "draft-simple", "--spec-draft-n-max", str(k)]
         cmd += ["-t", str(threads), "-tb", str(threads)]
@@ -273,9 +274,3 @@ class _Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

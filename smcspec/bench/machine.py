@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
+import socket
 
 import torch
 
@@ -44,3 +45,10 @@ def run_header(llm, precision: str, plan) -> dict:
         "models": {"target": llm.names[0], "draft": llm.names[1]},
         "plan": settings,
     }
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a server this process starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

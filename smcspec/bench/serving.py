@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -24,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from smcspec.bench.machine import describe, one_line
+from smcspec.bench.machine import describe, free_port, one_line
 from smcspec.bench.prompts import chat_text, humaneval_problems
 from smcspec.bench.report import _fmt, chose, pooled_acceptance
 from smcspec.bench.results import ResultLog, header, measurements
@@ -128,9 +127,7 @@ def _measure_server(
     port = free_port()
     args = [*serve_args, "--max-running", str(max(plan.concurrency))]
     if not any(label.startswith("auto") for label in plan.methods) and "--method" not in args:
-        # every request names its method; a server whose default is auto would first measure
-        # auto's step costs for nothing
-        args += ["--method", "ar"]
+        args += ["--method", "ar"]  # requests name their method: auto's costs go unmeasured
     if replicas:  # the machine's cores shared out, so that n replicas compute on all of them
         cpus = max(1, (os.cpu_count() or 1) // replicas)
         args += ["--replicas", str(replicas), "--replica-cpus", str(cpus)]
@@ -195,12 +192,6 @@ def _body(prompt: str, plan: ServePlan) -> dict:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start(serve_args: list[str], port: int) -> subprocess.Popen:

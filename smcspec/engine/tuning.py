@@ -12,8 +12,10 @@ The agreement estimate a request's choices read is the running mean of a over th
 drafted, with the prior (the mean of earlier requests under the same sampling settings, or
 `DEFAULT_AGREEMENT` before any) counted as `PRIOR_POSITIONS` positions: two rounds of sd at
 K = 4 outweigh it. A round's tokens come from the method table's model (`round_tokens`), which
-for msd is exact only for a point-mass target; once the request has run rounds of a method,
-their measured tokens over the model's (`_measured_scale`) scale its predictions.
+for msd is exact only for a point-mass target, and for sd and msd alike assumes one a at every
+position; once the request has run rounds of a method, their measured tokens over the model's
+(`_measured_scale`) scale its predictions, and an exact drafting method that has not run takes
+the scale of those that have.
 
 An approximate setting (smc), chosen while exact rounds run, needs the prefix fed again into
 caches of its own: its prediction pays that (`handoff_seconds`) over the tokens left.
@@ -24,6 +26,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from smcspec.config import DecodingConfig, SamplingConfig
 from smcspec.decoding.agreement import Tally
@@ -222,12 +225,32 @@ def _measured_scale(outlook: Outlook, method: str, a: float, costs: StepCosts) -
     """A method's measured tokens beyond the first per round over its model's (the table's
     `tokens_per_round` at a), from this request's rounds of any of its settings, each side
     with PRIOR_POSITIONS / 4 rounds of the model added; 1 where none ran. It corrects msd's
-    model (exact only for a point-mass target); for sd and smc it stays near 1. The model is
-    the one `costs` already scaled by what the profile's rounds committed."""
+    model (exact only for a point-mass target), and for sd and msd alike what the mean a leaves
+    out: where a varies along the text, a round passes K positions with probability the mean of
+    prod a_i, below the mean a to the K. So an exact drafting method (sd, msd) that has not run
+    in this request takes the scale of those that have: else a method that ran would be
+    corrected and one that did not would keep its model's optimism, and win on that alone. The
+    model is the one `costs` already scaled by what the profile's rounds committed."""
     row = method_row(method)
+    own = _scale_of(outlook, a, costs, lambda r: r.name == row.name)
+    if own is not None:
+        return own
+    if not row.exact or row.name == "ar":  # smc commits K + 1 whatever a; ar one token
+        return 1.0
+    pooled = _scale_of(outlook, a, costs, lambda r: r.exact and r.name != "ar")
+    return 1.0 if pooled is None else pooled
+
+
+def _scale_of(
+    outlook: Outlook, a: float, costs: StepCosts, counts: Callable[[Any], bool]
+) -> float | None:
+    """Measured over predicted tokens beyond the first, over the settings of the methods
+    `counts` takes, with PRIOR_POSITIONS / 4 rounds of the model on each side; None where none
+    of them ran."""
     rounds = measured = predicted = 0.0
     for cfg, (n, tokens) in outlook.measured.items():
-        if method_of(cfg) == row.name:
+        row = method_row(method_of(cfg))
+        if counts(row):
             rounds += n
             measured += tokens - n
             k, rows = row.lookahead(cfg), row.kv_rows(cfg)[0]
@@ -235,7 +258,7 @@ def _measured_scale(outlook: Outlook, method: str, a: float, costs: StepCosts) -
                 (row.tokens_per_round(cfg, a) - 1) * costs.tokens_scale(row.name, rows, k) * n
             )
     if rounds == 0 or predicted <= 0:
-        return 1.0
+        return None
     prior = PRIOR_POSITIONS / 4 * predicted / rounds
     return (measured + prior) / (predicted + prior)
 

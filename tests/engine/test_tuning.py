@@ -129,8 +129,29 @@ def test_measured_msd_rounds_scale_its_predictions():
     weak = {MSDConfig(2, 4): (20, 20 * 1.2)}  # 0.2 drafts a round where the model expects more
     scaled = {c.config: c.predicted for c in tuner.predictions(outlook(0.5, measured=weak))}
     assert scaled[MSDConfig(4, 2)] < base[MSDConfig(4, 2)]
-    assert scaled[SDConfig(3)] == pytest.approx(base[SDConfig(3)])  # another method's
     assert scaled[ARConfig()] == base[ARConfig()]
+    # sd has not run: it takes the scale the exact drafting methods that ran measured (else the
+    # method that ran is corrected and the other keeps its model's optimism)
+    assert scaled[SDConfig(3)] < base[SDConfig(3)]
+    # and once it has run, its own rounds decide: here they committed what its model expects
+    sd_model = tuning.step_costs.round_cost("sd", SDConfig(3), 0.5, FLAT)[0]
+    both = weak | {SDConfig(3): (40, round(40 * sd_model))}
+    own = {c.config: c.predicted for c in tuner.predictions(outlook(0.5, measured=both))}
+    assert own[SDConfig(3)] == pytest.approx(base[SDConfig(3)], rel=0.02)
+    assert own[MSDConfig(4, 2)] == pytest.approx(scaled[MSDConfig(4, 2)])
+
+
+def test_smc_keeps_its_tokens_whatever_the_exact_methods_measured():
+    tuner = tuning.Tuner.fixed(FLAT)
+    config = AutoConfig(exact=False, max_divergence=10.0)
+    base = {c.config: c.predicted for c in tuner.predictions(outlook(0.9, config=config))}
+    weak = {SDConfig(4): (20, 20 * 1.2)}
+    scaled = {
+        c.config: c.predicted
+        for c in tuner.predictions(outlook(0.9, config=config, measured=weak))
+    }
+    assert scaled[SDConfig(2)] < base[SDConfig(2)]
+    assert scaled[SMCConfig(2, 4)] == base[SMCConfig(2, 4)]
 
 
 def test_smc_chosen_part_way_pays_for_the_prefix_fed_again():

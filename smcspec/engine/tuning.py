@@ -235,9 +235,9 @@ def _measured_scale(outlook: Outlook, method: str, a: float, costs: StepCosts) -
     own = _scale_of(outlook, a, costs, lambda r: r.name == row.name)
     if own is not None:
         return own
-    if not row.exact or row.name == "ar":  # smc commits K + 1 whatever a; ar one token
+    if not row.exact:  # smc commits K + 1 whatever a (ar's one token takes no scale either)
         return 1.0
-    pooled = _scale_of(outlook, a, costs, lambda r: r.exact and r.name != "ar")
+    pooled = _scale_of(outlook, a, costs, lambda r: r.exact)
     return 1.0 if pooled is None else pooled
 
 
@@ -250,7 +250,7 @@ def _scale_of(
     rounds = measured = predicted = 0.0
     for cfg, (n, tokens) in outlook.measured.items():
         row = method_row(method_of(cfg))
-        if counts(row):
+        if counts(row) and row.lookahead(cfg) > 0:  # rounds without drafts say nothing
             rounds += n
             measured += tokens - n
             k, rows = row.lookahead(cfg), row.kv_rows(cfg)[0]

@@ -153,19 +153,49 @@ class StepCosts:
     # method's model predicts at the agreement it measured (`measure_rounds`)
     tokens_seen: Mapping[tuple[str, int, int], float] = field(default_factory=dict)
 
+    # requests whose rows share every pass (`shared`); 1: this request's rows alone
+    sharing: int = 1
+
     def target(self, rows: int, tokens: int) -> float:
-        seen = self.target_seen.get((rows, tokens))
-        return seen if seen is not None else self.target_fit[0] + self.target_fit[1] * rows * tokens
+        """A pass of `rows` rows of `tokens` each; under `sharing` requests, this request's
+        share of the pass they all fill at that shape."""
+        return self._pass(rows * self.sharing, tokens) / self.sharing
 
     def draft(self, rows: int) -> float:
-        seen = self.draft_seen.get(rows)
-        return seen if seen is not None else self.draft_fit[0] + self.draft_fit[1] * rows
+        """A draft step of `rows` rows (this request's share under `sharing`, as `target`)."""
+        total = rows * self.sharing
+        seen = self.draft_seen.get(total)
+        if seen is None:
+            c, b = self.draft_fit
+            seen = c + b * total
+            widest = max(self.draft_seen, default=total)
+            if total > widest and c + b * widest > 0:  # past the widest step measured: off
+                seen *= self.draft_seen[widest] / (c + b * widest)  # the line as it was there
+        return seen / self.sharing
+
+    def _pass(self, rows: int, tokens: int) -> float:
+        """A whole target pass: measured, else the fit; past the most rows measured, the fit
+        times how far off it was at those rows and this width (a CPU's passes grow faster than
+        the line at 8 rows: attention over every row's context, caches spilled)."""
+        seen = self.target_seen.get((rows, tokens))
+        if seen is not None:
+            return seen
+        c, b = self.target_fit
+        fit = c + b * rows * tokens
+        widest = max((r for r, _ in self.target_seen), default=rows)
+        at_widest = c + b * widest * tokens
+        if rows <= widest or (widest, tokens) not in self.target_seen or at_widest <= 0:
+            return fit
+        return fit * self.target_seen[(widest, tokens)] / at_widest
 
     def round_seconds(self, method: str, rows: int, k: int) -> float | None:
         """A real round of `method` at `rows` rows and K = k, from the rounds measured at that
         method and rows: the least-squares line through them along K (`fit_affine`: a round is
         K draft steps and a pass of K + 1 tokens, close to affine in K, and the line smooths a
-        noisy point); None where none was measured."""
+        noisy point); None where none was measured, or under `sharing` (a round measured alone
+        holds the whole fixed part of its passes)."""
+        if self.sharing > 1:
+            return None
         points = [
             (kk, t) for (m, r, kk), t in self.rounds_seen.items() if m == method and r == rows
         ]
@@ -184,21 +214,14 @@ class StepCosts:
         return self.tokens_seen[(method, rows, nearest)]
 
     def shared(self, requests: int) -> StepCosts:
-        """The marginal costs of one of `requests` whose rows share every pass (a server's
-        continuous batching): the fixed part of a pass (reading the weights, the launches) is
-        paid once for all of them, each pays its own positions. Priced by the fits alone: a
-        measured shape holds the whole fixed part."""
+        """The costs of one of `requests` whose rows share every pass (a server's continuous
+        batching; `sharing`): the pass they fill together, priced as any pass (measured where
+        its shape was, which at 8 rows runs 5-20% over the fit here), split evenly. The fixed
+        part of a pass (reading the weights, the launches) is so paid once for all of them,
+        and each pays its positions. It assumes the others' rows have this request's shape."""
         if requests <= 1:
             return self
-        (c_t, b_t), (c_d, b_d) = self.target_fit, self.draft_fit
-        return replace(
-            self,
-            target_fit=(c_t / requests, b_t),
-            draft_fit=(c_d / requests, b_d),
-            target_seen={},
-            draft_seen={},
-            rounds_seen={},
-        )
+        return replace(self, sharing=requests)
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -195,9 +195,12 @@ class Tuner:
         divergence: float | None = None,
     ) -> None:
         """Blend a finished request's round times into the costs (each setting's rounds as one
-        observation, `costs.refresh`), its mean agreement into the prior and its smc rounds'
+        observation, `costs.refresh`; not while other requests run, whose rows its passes
+        carried), its mean agreement into the prior and its smc rounds'
         chi^2 / N into the one kept for its sampling settings."""
         totals: dict[DecodingConfig, list[float]] = {}
+        if self.sharing() > 1:  # its passes held other requests' rows: not its own price
+            rounds = []
         for r in rounds:
             t = totals.setdefault(r.config, [0, 0.0, 0.0])
             t[0] += r.rounds

@@ -94,6 +94,32 @@ def test_measured_shapes_are_priced_by_their_measurement_others_by_the_fit():
     assert costs.target(8, 4) == pytest.approx(c + 32 * b)
 
 
+# the default pair's measured passes (int8, 2 Zen 4 cores; seconds): 8 rows run over the line
+ROWS_SEEN = {(1, 1): 0.083, (1, 5): 0.110, (4, 1): 0.120, (4, 5): 0.249, (8, 1): 0.133}
+ROWS_SEEN |= {(8, 5): 0.416}
+
+
+def test_a_shared_pass_is_priced_as_the_whole_pass_split_between_the_requests():
+    """Eight requests of one row each fill an 8-row pass: each pays an eighth of its measured
+    time, not the fit's; past the most rows measured (16), the fit as far off as it was at 8."""
+    costs = cm.from_measurements(ROWS_SEEN, {1: 0.045, 4: 0.052, 8: 0.064})
+    shared = costs.shared(8)
+    assert shared.target(1, 5) == pytest.approx(0.416 / 8)
+    assert shared.draft(1) == pytest.approx(0.064 / 8)
+    assert shared.round_seconds("sd", 1, 4) is None
+    c, b = costs.target_fit
+    assert costs.shared(16).target(1, 5) == pytest.approx(
+        (c + 80 * b) * 0.416 / (c + 40 * b) / 16
+    )
+    dc, db = costs.draft_fit
+    assert costs.shared(16).draft(1) == pytest.approx((dc + 16 * db) * 0.064 / (dc + 8 * db) / 16)
+    # unmeasured shapes within the rows measured: the fit; one request alone prices a pass
+    # of 16 rows as the 16 requests' share of it together
+    assert costs.shared(2).target(1, 3) == pytest.approx((c + 6 * b) / 2)
+    assert costs.shared(1) is costs
+    assert costs.target(16, 5) == pytest.approx(16 * costs.shared(16).target(1, 5))
+
+
 def test_refresh_moves_the_observed_shapes_a_quarter_of_the_way():
     costs = flat_costs(1.0, 0.0, 0.1, 0.0)
     seen = cm.RoundTimes(rows=2, draft_tokens=4, rounds=10, draft_seconds=8.0, target_seconds=30.0)

@@ -238,3 +238,40 @@ def test_under_load_an_unseeded_request_pays_only_its_rows_and_drafts_less():
     assert tuner.choose(outlook(0.5)).config == ARConfig()
     assert tuner.costs_for(UNSEEDED).target(1, 1) == pytest.approx(1.0 / 16 + 0.05)
     assert tuner.choose(outlook(0.5, sampling=SEEDED)).method != "ar"
+
+
+def test_under_load_the_measured_pass_decides_where_the_line_would_let_drafts_win():
+    """The default pair's 8-row passes run 5-18% over the line (measured): at a = 0.9 eight
+    requests are priced for ar once the pass they fill is priced as measured, where the fit's
+    share would have them draft."""
+    seen = {(r, t): s for r, t, s in PASSES}
+    costs = cm.from_measurements(seen, {1: 0.0456, 2: 0.0433, 4: 0.0515, 8: 0.0636})
+    fit_only = cm.StepCosts(costs.target_fit, costs.draft_fit)
+    tuner = tuning.Tuner.fixed(costs)
+    tuner.sharing = lambda: 8
+    assert tuner.choose(outlook(0.9)).config == ARConfig()
+    tuner_fit = tuning.Tuner.fixed(fit_only)
+    tuner_fit.sharing = lambda: 8
+    assert tuner_fit.choose(outlook(0.9)).method == "sd"
+    tuner.sharing = lambda: 1  # alone, the same request drafts
+    assert tuner.choose(outlook(0.9)).method != "ar"
+
+
+def test_a_request_that_shared_its_passes_teaches_no_costs():
+    """Its verify passes carried the other requests' rows: their time is not what its shape
+    costs alone, so the costs stay; the agreement it measured still moves the prior."""
+    tuner = tuning.Tuner.fixed(STEEP)
+    tuner.sharing = lambda: 4
+    times = [RoundTime(SDConfig(4), 10, 30, draft_seconds=8.0, target_seconds=50.0)]
+    tuner.observe(times, UNSEEDED, Tally(total=0.3 * 40, positions=40))
+    assert tuner.costs is STEEP
+    assert tuner.prior(UNSEEDED) == pytest.approx(0.7 * tuning.DEFAULT_AGREEMENT + 0.3 * 0.3)
+
+
+# the default pair's profile (int8, 2 Zen 4 cores): rows, tokens per row, seconds
+PASSES = [
+    (1, 1, 0.0831), (1, 2, 0.0916), (1, 3, 0.1017), (1, 5, 0.1100), (1, 9, 0.1539),
+    (2, 1, 0.0982), (2, 2, 0.1124), (2, 3, 0.1271), (2, 5, 0.1141), (2, 9, 0.1951),
+    (4, 1, 0.1199), (4, 2, 0.1074), (4, 3, 0.1462), (4, 5, 0.2491), (4, 9, 0.3038),
+    (8, 1, 0.1333), (8, 2, 0.1985), (8, 3, 0.2567), (8, 5, 0.4162), (8, 9, 0.6145),
+]

@@ -6,39 +6,16 @@ import argparse
 import sys
 from pathlib import Path
 
+from smcspec.bench.cli_accuracy import add_accuracy, run_accuracy_args
+from smcspec.bench.cli_grid import T_DEFAULT, floats, grid_from_args, precision
+from smcspec.bench.cli_grid import add_grid_options as _add_grid_options
 from smcspec.bench.contenders import LLAMA_CPP, build_grid, parse_ints
+from smcspec.bench.tasks import prompt_texts
 from smcspec.cli_common import (
     add_model_options,
-    add_resample_threshold,
     command,
     llm_from_args,
 )
-from smcspec.config import SamplingConfig
-
-T_DEFAULT = SamplingConfig.temperature
-
-
-def _add_grid_options(p: argparse.ArgumentParser, methods: list[str], smc_n: str) -> None:
-    p.add_argument(
-        "--methods",
-        nargs="+",
-        default=methods,
-        help="of ar sd smc msd auto auto-approx (auto with --approximate: it may pick smc) hf "
-        "hf-assisted (hf peers need --backend hf); bench speed also takes llama-cpp "
-        "llama-cpp-spec (./scripts/build_llama_cpp builds llama.cpp)",
-    )
-    p.add_argument("--sd-k", default="2,4", help="K grid for sd")
-    p.add_argument("--smc-n", default=smc_n, help="N grid for smc")
-    p.add_argument("--smc-k", default="2,4", help="K grid for smc")
-    p.add_argument("--msd-n", default="2,4", help="N grid for msd")
-    p.add_argument("--msd-k", default=None, help="K grid for msd (default: --sd-k's)")
-    p.add_argument(
-        "--smc-power", default="", help="also run each smc setting with Power(alpha), e.g. 2,4"
-    )
-    add_resample_threshold(p)
-    p.add_argument("--out", default="bench-results", help="folder for .jsonl, .md and .png files")
-    p.add_argument("--seed", type=int, default=0, help="seed of the first run")
-    add_model_options(p)
 
 
 def add_parser(sub) -> None:
@@ -48,7 +25,7 @@ def add_parser(sub) -> None:
     for add in (
         _add_speed,
         _add_roofline,
-        _add_accuracy,
+        add_accuracy,
         _add_engine,
         _add_gpu,
         _add_fidelity,
@@ -65,7 +42,14 @@ def _add_speed(bsub) -> None:
     speed.add_argument(
         "--temperatures", default=str(T_DEFAULT), help="comma-separated, e.g. 0.3,0.7,1.0,1.3"
     )
-    speed.add_argument("--prompts", type=int, default=5, help="first P HumanEval prompts")
+    speed.add_argument("--prompts", type=int, default=5, help="the prompt set's first P")
+    speed.add_argument(
+        "--prompt-set",
+        choices=["humaneval", "gsm8k", "mt-bench"],
+        default="humaneval",
+        help="what to time on: HumanEval's functions, GSM8K's word problems (0-999) or "
+        "MT-Bench's first turns (conversational)",
+    )
     speed.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per run")
     speed.add_argument("--natural-stop", action="store_true", help="stop at EOS (default: ignore)")
     speed.add_argument("--reps", type=int, default=1, help="repetitions of every run")
@@ -94,16 +78,6 @@ def _add_roofline(bsub) -> None:
     roof.add_argument("--temperature", type=float, default=T_DEFAULT, help="sampling temperature")
     roof.add_argument("--context", type=int, default=150, help="cache length for the timings")
     roof.add_argument("--timing-reps", type=int, default=3, help="timed repetitions per shape")
-
-
-def _add_accuracy(bsub) -> None:
-    acc = command(bsub, "accuracy", "HumanEval pass@1 with 95% CI, and speed")
-    _add_grid_options(acc, ["ar", "sd", "smc"], "4")
-    acc.add_argument("--temperature", type=float, default=T_DEFAULT, help="sampling temperature")
-    acc.add_argument("--offset", type=int, default=0, help="first HumanEval problem")
-    acc.add_argument("--limit", type=int, default=20, help="number of problems")
-    acc.add_argument("--max-new-tokens", type=int, default=384, help="new tokens per problem")
-    acc.add_argument("--timeout", type=float, default=10.0, help="seconds per program")
 
 
 def _add_engine(bsub) -> None:
@@ -188,51 +162,15 @@ def _add_report(bsub) -> None:
     rep.add_argument("--accuracy-files", nargs="*", default=[], help="more accuracy.jsonl files")
 
 
-def _floats(text: str, name: str) -> list[float]:
-    try:
-        values = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError as err:
-        raise ValueError(f"{name} must be a comma-separated list of numbers, got {text!r}") from err
-    if not values:
-        raise ValueError(f"{name} is empty")
-    return values
-
-
-def _grid(args: argparse.Namespace):
-    if args.backend != "hf" and {"hf", "hf-assisted"} & set(args.methods):
-        raise ValueError("hf and hf-assisted need --backend hf (they run transformers' generate)")
-    speed = args.bench_command == "speed"
-    if not speed and set(LLAMA_CPP) & set(args.methods):
-        raise ValueError("llama-cpp and llama-cpp-spec run in bench speed only")
-    draft_temps = getattr(args, "draft_temperatures", "")
-    return build_grid(
-        args.methods,
-        parse_ints(args.sd_k, "--sd-k"),
-        parse_ints(args.smc_n, "--smc-n"),
-        parse_ints(args.smc_k, "--smc-k"),
-        args.resample_threshold,
-        _floats(args.smc_power, "--smc-power") if args.smc_power else None,
-        [q.strip() for q in args.quants.split(",") if q.strip()] if speed else None,
-        [None, *_floats(draft_temps, "--draft-temperatures")] if draft_temps else None,
-        parse_ints(args.msd_n, "--msd-n"),
-        parse_ints(args.msd_k, "--msd-k") if args.msd_k is not None else None,
-    )
-
-
 def _llm(args: argparse.Namespace, backend: str | None = None):
     return llm_from_args(args, backend)
-
-
-def precision(llm) -> str:
-    """How the weights ran, for result headers: e.g. "int8, native backend"."""
-    return f"{llm.dtype}, {llm.backend} backend"
 
 
 def run_bench(args: argparse.Namespace) -> int:
     run = {
         "speed": _speed,
         "roofline": _roofline,
-        "accuracy": _accuracy,
+        "accuracy": run_accuracy_args,
         "engine": _engine,
         "gpu": _gpu,
         "fidelity": _fidelity,
@@ -260,14 +198,16 @@ def _speed(args: argparse.Namespace) -> int:
     from smcspec.bench.speed import SpeedPlan, run_speed
 
     plan = SpeedPlan(
-        _grid(args),
-        _floats(args.temperatures, "--temperatures"),
+        grid_from_args(args),
+        floats(args.temperatures, "--temperatures"),
         args.prompts,
         args.max_new_tokens,
         args.natural_stop,
         args.reps,
         args.seed,
+        args.prompt_set,
     )
+    prompt_texts(plan.prompt_set, plan.prompts)  # fetched and checked before models load
     with _llama_cpp(args, plan) as peer:  # built, files made, before our models load
         llm = _llm(args)
         run_speed(llm, plan, args.out, precision(llm), peer)
@@ -293,24 +233,6 @@ def _llama_cpp(args: argparse.Namespace, plan):
     target, draft = gguf_files(args.target, args.draft, args.cache_dir)
     pairs = {q: llamacpp.pair_for(q, target, draft, bin_dir) for q in sorted(quants)}
     return llamacpp.LlamaCpp(pairs, bin_dir, torch.get_num_threads())
-
-
-def _accuracy(args: argparse.Namespace) -> int:
-    from smcspec.bench.accuracy import AccuracyPlan, run_accuracy
-
-    plan = AccuracyPlan(
-        _grid(args),
-        args.temperature,
-        args.offset,
-        args.limit,
-        args.max_new_tokens,
-        args.timeout,
-        args.seed,
-    )
-    llm = _llm(args)
-    run_accuracy(llm, plan, args.out, precision(llm))
-    print((Path(args.out) / "accuracy.md").read_text())
-    return 0
 
 
 def _gpu(args: argparse.Namespace) -> int:
@@ -402,7 +324,7 @@ def _fidelity(args: argparse.Namespace) -> int:
 
 
 def _engine(args: argparse.Namespace) -> int:
-    contenders = _grid(args)
+    contenders = grid_from_args(args)
     from smcspec.bench.engine import EnginePlan, run_engine
     from smcspec.engine import BACKENDS
 
@@ -426,7 +348,7 @@ def _engine(args: argparse.Namespace) -> int:
 
 
 def _roofline(args: argparse.Namespace) -> int:
-    contenders = _grid(args)
+    contenders = grid_from_args(args)
     from smcspec.bench.roofline import run_roofline
     from smcspec.bench.speed import SpeedPlan, prompt_ids, run_speed
 

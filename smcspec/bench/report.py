@@ -15,6 +15,7 @@ Z95 = 1.959963984540054
 STAGES = ("prefill", "draft", "verify", "resample", "other")
 # methods whose diagnostics count accepted and proposed drafts without a rate
 COUNTED = ("msd", "auto", "auto-approx")
+PROMPT_SET_NAMES = {"humaneval": "HumanEval", "gsm8k": "GSM8K", "mt-bench": "MT-Bench"}
 
 
 def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
@@ -25,7 +26,10 @@ def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, floa
     denom = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denom
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # at 0 (or n) successes the bound is exactly 0 (1); rounding can leave it a hair inside
+    low = 0.0 if successes == 0 else max(0.0, centre - half)
+    high = 1.0 if successes == n else min(1.0, centre + half)
+    return low, high
 
 
 def _mean(values: list[float]) -> float | None:
@@ -253,45 +257,92 @@ def _times(ratio: float | None) -> str:
     return "-" if ratio is None else f"{ratio:.2f}x"
 
 
-def accuracy_summary(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def mcnemar_exact(b: int, c: int) -> float:
+    """Two-sided p-value of McNemar's exact test on paired outcomes: b problems one method
+    solved and the other did not, c the other way round. Under no difference the b + c
+    discordant pairs split as Binomial(b + c, 1/2); p is twice the smaller tail, at most 1."""
+    if b < 0 or c < 0:
+        raise ValueError(f"counts must be >= 0, got {b}, {c}")
+    n = b + c
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, k) for k in range(min(b, c) + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def accuracy_summary(records: list[dict[str, Any]], base: str = "ar") -> list[dict[str, Any]]:
+    """One row per label: pass@1 with its Wilson interval, tokens/s, the mean target log-prob;
+    against `base` (when it ran) on the problems both ran: the difference in pass@1 and
+    McNemar's exact p; and whether the row is on the speed-accuracy Pareto front."""
     groups: dict[str, list[dict]] = defaultdict(list)
     for r in records:
         groups[r["label"]].append(r)
+    base_passed = {r["task_id"]: bool(r["passed"]) for r in groups.get(base, []) if "task_id" in r}
     rows = []
     for label, rs in sorted(groups.items(), key=lambda kv: _order(kv[0])):
         passed = sum(bool(r["passed"]) for r in rs)
         low, high = wilson_interval(passed, len(rs))
         tokens = sum(r["new_tokens"] for r in rs)
         seconds = sum(r["seconds"] for r in rs)
-        rows.append(
-            {
-                "label": label,
-                "problems": len(rs),
-                "passed": passed,
-                "pass_at_1": passed / len(rs),
-                "ci_low": low,
-                "ci_high": high,
-                "tokens_per_second": tokens / seconds if seconds else None,
-                "mean_target_logp": _mean(
-                    [r["mean_target_logp"] for r in rs if r.get("mean_target_logp") is not None]
-                ),
-            }
-        )
-    return rows
+        row = {
+            "label": label,
+            "problems": len(rs),
+            "passed": passed,
+            "pass_at_1": passed / len(rs),
+            "ci_low": low,
+            "ci_high": high,
+            "tokens_per_second": tokens / seconds if seconds else None,
+            "mean_target_logp": _mean(
+                [r["mean_target_logp"] for r in rs if r.get("mean_target_logp") is not None]
+            ),
+        }
+        pairs = [
+            (base_passed[r["task_id"]], bool(r["passed"]))
+            for r in rs
+            if label != base and r.get("task_id") in base_passed
+        ]
+        rows.append(row | _paired(pairs) if pairs else row)
+    points = [(r["tokens_per_second"] or 0.0, r["pass_at_1"]) for r in rows]
+    front = set(pareto_front(points))
+    return [r | {"frontier": i in front} for i, r in enumerate(rows)]
 
 
-def accuracy_table(rows: list[dict[str, Any]]) -> str:
+def _paired(pairs: list[tuple[bool, bool]]) -> dict[str, Any]:
+    """(base passed, this passed) per shared problem -> the paired comparison's figures."""
+    only_base = sum(1 for b, t in pairs if b and not t)
+    only_this = sum(1 for b, t in pairs if t and not b)
+    return {
+        "paired": len(pairs),
+        "only_base": only_base,
+        "only_this": only_this,
+        "delta": (only_this - only_base) / len(pairs),
+        "mcnemar_p": mcnemar_exact(only_base, only_this),
+    }
+
+
+def accuracy_table(rows: list[dict[str, Any]], base: str = "ar") -> str:
     head = (
-        "| method | problems | pass@1 | 95% CI | tok/s | mean target log-prob / token |\n"
-        "| --- | --- | --- | --- | --- | --- |\n"
+        f"| method | problems | pass@1 | 95% CI | vs {base} (paired: lost/won, McNemar p) "
+        "| tok/s | Pareto front | mean target log-prob / token |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- |\n"
     )
     lines = [
         f"| {r['label']} | {r['problems']} | {r['pass_at_1']:.3f} ({r['passed']}/{r['problems']}) "
-        f"| {r['ci_low']:.3f}-{r['ci_high']:.3f} | {_fmt(r['tokens_per_second'])} "
+        f"| {r['ci_low']:.3f}-{r['ci_high']:.3f} | {_versus(r)} "
+        f"| {_fmt(r['tokens_per_second'])} | {'yes' if r.get('frontier') else '-'} "
         f"| {_fmt(r['mean_target_logp'], 3)} |"
         for r in rows
     ]
     return head + "\n".join(lines) + "\n"
+
+
+def _versus(row: dict[str, Any]) -> str:
+    if "paired" not in row:
+        return "-"
+    return (
+        f"{row['delta']:+.3f} on {row['paired']} ({row['only_base']}/{row['only_this']}, "
+        f"p = {row['mcnemar_p']:.2g})"
+    )
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[int]:
@@ -370,7 +421,8 @@ def speed_caption(hdr: dict[str, Any]) -> str:
     length = "natural stop at EOS" if plan.get("natural_stop") else "EOS ignored"
     where = one_line(hdr["machine"]) if "machine" in hdr else "unknown machine"
     return (
-        f"Speed: {where}. {models_line(hdr)}. First {plan.get('prompts')} HumanEval prompts as "
+        f"Speed: {where}. {models_line(hdr)}. First {plan.get('prompts')} "
+        f"{PROMPT_SET_NAMES[plan.get('prompt_set', 'humaneval')]} prompts as "
         f"chat messages, up to {plan.get('max_new_tokens')} new tokens ({length}), batch of one "
         f"request, {plan.get('reps')} repetition(s), base seed {plan.get('seed')}."
         + (f" {hdr['auto_costs']}." if "auto_costs" in hdr else "")

@@ -11,8 +11,8 @@ from tqdm import tqdm
 
 from smcspec.bench import machine, report
 from smcspec.bench.contenders import Contender, run
-from smcspec.bench.prompts import chat_text, humaneval_problems
 from smcspec.bench.results import ResultLog, measurements
+from smcspec.bench.tasks import PROMPT_SETS, prompt_texts
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,7 @@ class SpeedPlan:
     natural_stop: bool = False
     reps: int = 1
     seed: int = 0
+    prompt_set: str = "humaneval"  # `bench.tasks.PROMPT_SETS`
 
     def __post_init__(self) -> None:
         if not self.contenders:
@@ -32,16 +33,19 @@ class SpeedPlan:
             raise ValueError("temperatures is empty")
         if any(t < 0 for t in self.temperatures):
             raise ValueError(f"temperatures must be >= 0, got {self.temperatures}")
-        if not 1 <= self.prompts <= 164:
-            raise ValueError(f"prompts must be in [1, 164], got {self.prompts}")
+        if self.prompt_set not in PROMPT_SETS:
+            raise ValueError(f"unknown prompt set {self.prompt_set!r}")
+        most = PROMPT_SETS[self.prompt_set]
+        if not 1 <= self.prompts <= most:
+            raise ValueError(f"prompts must be in [1, {most}], got {self.prompts}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.reps < 1:
             raise ValueError(f"reps must be >= 1, got {self.reps}")
 
 
-def prompt_ids(llm, n: int) -> list[list[int]]:
-    return [llm.encode(chat_text(p), chat=True) for p in humaneval_problems(0, n)]
+def prompt_ids(llm, n: int, prompt_set: str = "humaneval") -> list[list[int]]:
+    return [llm.encode(text, chat=True) for text in prompt_texts(prompt_set, n)]
 
 
 def run_speed(
@@ -56,7 +60,7 @@ def run_speed(
     if _chooses(plan):
         header["auto_costs"] = AUTO_COSTS
     log = ResultLog(out / "speed.jsonl", header)
-    prompts = prompt_ids(llm, plan.prompts)
+    prompts = prompt_ids(llm, plan.prompts, plan.prompt_set)
     jobs = [
         (temp, rep, i, c)
         for temp in plan.temperatures
@@ -91,7 +95,8 @@ def run_speed(
 
 def _key(plan: SpeedPlan, temp: float, rep: int, i: int, c: Contender) -> str:
     mode = "stop" if plan.natural_stop else "fixed"
-    return f"{c.label}|T={temp}|prompt={i}|rep={rep}|len={plan.max_new_tokens}|{mode}"
+    prompt = f"prompt={i}" if plan.prompt_set == "humaneval" else f"{plan.prompt_set}={i}"
+    return f"{c.label}|T={temp}|{prompt}|rep={rep}|len={plan.max_new_tokens}|{mode}"
 
 
 def _rotated(items: list, shift: int) -> list:

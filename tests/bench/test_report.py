@@ -13,6 +13,9 @@ def test_wilson_interval_known_values():
     assert low == 0.0 and round(high, 4) == 0.2775
     low, high = report.wilson_interval(20, 20)
     assert round(low, 4) == 0.8389 and high == 1.0
+    # where rounding left 0/3's lower bound at 5.6e-17, above the estimate it bounds
+    assert [report.wilson_interval(0, n)[0] for n in range(1, 40)] == [0.0] * 39
+    assert [report.wilson_interval(n, n)[1] for n in range(1, 40)] == [1.0] * 39
     with pytest.raises(ValueError):
         report.wilson_interval(0, 0)
 
@@ -115,6 +118,49 @@ def test_accuracy_summary_and_table():
     assert row["pass_at_1"] == 0.75 and row["tokens_per_second"] == 2.0
     assert (row["ci_low"], row["ci_high"]) == report.wilson_interval(3, 4)
     assert "| ar | 4 | 0.750 (3/4) |" in report.accuracy_table([row])
+
+
+def test_mcnemar_exact_known_values():
+    """Two-sided exact p of b discordant pairs one way and c the other: 2 P(X <= min(b, c)),
+    X ~ Binomial(b + c, 1/2), at most 1; checked against scipy's binomial test."""
+    from scipy.stats import binomtest
+
+    assert report.mcnemar_exact(1, 9) == pytest.approx(22 / 1024)  # 2 (1 + 10) / 2^10
+    assert report.mcnemar_exact(0, 5) == pytest.approx(2 / 32)
+    assert report.mcnemar_exact(0, 0) == 1.0 and report.mcnemar_exact(4, 4) == 1.0
+    for b, c in [(3, 12), (20, 31), (7, 0), (50, 30)]:
+        assert report.mcnemar_exact(b, c) == pytest.approx(binomtest(b, b + c, 0.5).pvalue)
+    with pytest.raises(ValueError, match=">= 0"):
+        report.mcnemar_exact(-1, 2)
+
+
+def test_the_summary_pairs_each_method_with_ar_on_shared_problems():
+    """smc solves problems 0-9 that ar failed and fails 10-11 that ar solved, on the 20 both
+    ran (its 21st has no ar run to pair with): +8/20, McNemar's p over 10 vs 2."""
+
+    def rec(label, i, passed, seconds):
+        return {
+            "label": label,
+            "task_id": f"t/{i}",
+            "passed": passed,
+            "new_tokens": 10,
+            "seconds": seconds,
+        }
+
+    ar = [rec("ar", i, 10 <= i < 20, 1.0) for i in range(20)]
+    smc = [rec("smc N=2 K=4", i, i < 10 or i >= 12, 0.5) for i in range(21)]
+    sd = [rec("sd K=4", i, 10 <= i < 20, 2.0) for i in range(20)]
+    rows = {r["label"]: r for r in report.accuracy_summary(ar + smc + sd)}
+    assert "paired" not in rows["ar"]
+    smc_row = rows["smc N=2 K=4"]
+    assert (smc_row["paired"], smc_row["only_base"], smc_row["only_this"]) == (20, 2, 10)
+    assert smc_row["delta"] == pytest.approx(8 / 20)
+    assert smc_row["mcnemar_p"] == pytest.approx(report.mcnemar_exact(2, 10))
+    assert rows["sd K=4"]["mcnemar_p"] == 1.0 and rows["sd K=4"]["delta"] == 0
+    # smc is both faster and more accurate: alone on the front
+    assert [label for label, r in rows.items() if r["frontier"]] == ["smc N=2 K=4"]
+    table = report.accuracy_table(list(rows.values()))
+    assert "| +0.400 on 20 (2/10, p = 0.039) |" in table
 
 
 def test_plots_are_written(tmp_path):

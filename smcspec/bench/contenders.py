@@ -195,17 +195,8 @@ def run(
             contender.method, contender.settings, prompt_ids, temperature, max_new, seed
         )
     if contender.method in OURS:
-        out = llm.generate(
-            prompt_ids,
-            OURS[contender.method],
-            temperature=temperature,
-            max_new_tokens=max_new,
-            stop_at_eos=stop_at_eos,
-            seed=seed,
-            chat=False,
-            **contender.settings,
-        )
-        return _ours(out)
+        kwargs = _kwargs(contender, temperature, max_new, stop_at_eos, seed)
+        return _ours(llm.generate(prompt_ids, OURS[contender.method], **kwargs))
     return _run_hf(llm, contender, prompt_ids, temperature, max_new, stop_at_eos, seed)
 
 
@@ -223,17 +214,20 @@ def run_batch(
     that load. Our methods only."""
     if contender.method not in OURS:
         raise ValueError(f"{contender.method} runs one prompt at a time")
-    outs = llm.generate_batch(
-        prompts,
-        OURS[contender.method],
-        temperature=temperature,
-        max_new_tokens=max_new,
-        stop_at_eos=stop_at_eos,
-        seed=seed,
-        chat=False,
+    kwargs = _kwargs(contender, temperature, max_new, stop_at_eos, seed)
+    return [_ours(o) for o in llm.generate_batch(prompts, OURS[contender.method], **kwargs)]
+
+
+def _kwargs(contender, temperature, max_new, stop_at_eos, seed) -> dict[str, Any]:
+    """`LLM.generate`'s settings for one of our contenders (prompts already tokenized)."""
+    return {
+        "temperature": temperature,
+        "max_new_tokens": max_new,
+        "stop_at_eos": stop_at_eos,
+        "seed": seed,
+        "chat": False,
         **contender.settings,
-    )
-    return [_ours(out) for out in outs]
+    }
 
 
 def _ours(out) -> dict[str, Any]:

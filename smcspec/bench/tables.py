@@ -212,10 +212,12 @@ def _acceptance_or_ess(row: dict[str, Any]) -> str:
 # ---- `smcspec bench accuracy` and `smcspec bench serve` runs
 
 
-def accuracy(root: Path, run: str) -> str:
-    path = root / run / "accuracy.jsonl"
-    rows = report.accuracy_summary(measurements(path))
-    return caption(path, root) + report.accuracy_table(rows)
+def accuracy(root: Path, *runs: str) -> str:
+    """One table over the runs' results (the same problems and settings, methods added by a
+    later run), compared and plotted as one."""
+    paths = [root / run / "accuracy.jsonl" for run in runs]
+    rows = report.accuracy_summary([r for path in paths for r in measurements(path)])
+    return "".join(caption(path, root) for path in paths) + report.accuracy_table(rows)
 
 
 def serve(root: Path, run: str) -> str:
@@ -274,6 +276,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "cpu/serve": lambda root: serve(root, "cpu/serve"),
     "cpu/serve-replicas": lambda root: serve(root, "cpu/serve-replicas"),
     "cpu/accuracy-power": lambda root: accuracy(root, "cpu/accuracy-power"),
+    "cpu/gsm8k": lambda root: accuracy(root, "cpu/gsm8k"),
     "cpu/json": lambda root: written(root, "cpu/json/json.md"),
     "cpu/fidelity": lambda root: written(root, "cpu/fidelity-int8/fidelity.md"),
     "gpu/estimate": lambda root: written(root, "gpu/estimate.md"),

@@ -237,3 +237,13 @@ def test_speed_profiles_auto_before_timing_and_tables_its_choices(llm, tmp_path,
     text = (tmp_path / "speed.md").read_text()
     assert "profiled (or read from the model cache's costs/) in the untimed warm-up" in text
     assert f"| {rows['auto']['chose']} |" in text and "| auto / best exact |" in text
+
+
+def test_scoring_a_reply_gives_its_kv_pages_back(tiny_folder, tiny_draft_folder):
+    """Each accuracy record scores its reply on a cache of its own; a 100-problem run kept
+    every one of them and ran the 4,096-page pool dry."""
+    tiny = LLM(str(tiny_folder), str(tiny_draft_folder), backend="native", dtype="float32")
+    before = tiny.target.pages.free_pages
+    for _ in range(3):
+        assert accuracy.target_logp(tiny, list(range(1, 40)), list(range(1, 60))) < 0
+    assert tiny.target.pages.free_pages == before

@@ -160,6 +160,7 @@ class Scheduler:
         self._reserved = [0] * len(self.models)
         self._stopping = False
         self._death: BaseException | None = None  # why the loop ended, if not by shutdown
+        self._workers: set[threading.Thread] = set()  # the running jobs' threads
         self._thread = threading.Thread(target=self._loop, name="smcspec-scheduler", daemon=True)
         self._thread.start()
 
@@ -227,14 +228,20 @@ class Scheduler:
             return len(self._running)
 
     def shutdown(self) -> None:
-        """Cancel everything and stop the scheduler thread."""
+        """Cancel everything, stop the scheduler thread and wait for the jobs' threads to unwind:
+        a caller that exits after the first failure must not leave a job inside torch at
+        interpreter exit, which aborts the process ("terminate called without an active
+        exception") after the error it had printed."""
         with self._cond:
             self._stopping = True
             for job in list(self._running) + list(self._queue):
                 job.cancel()
             self._queue.clear()
             self._cond.notify_all()
+            workers = [t for t in self._workers if t is not threading.current_thread()]
         self._thread.join(timeout=30)
+        for worker in workers:  # each stops at its next pass, refused once stopping
+            worker.join(timeout=30)
 
     # -- jobs -------------------------------------------------------------------------------
 
@@ -255,7 +262,9 @@ class Scheduler:
             self._running.add(job)
             self._reserved = [r + p for r, p in zip(self._reserved, self._pages(job), strict=True)]
             self._computing += 1
-            threading.Thread(target=self._run, args=(job,), daemon=True).start()
+            worker = threading.Thread(target=self._run, args=(job,), daemon=True)
+            self._workers.add(worker)
+            worker.start()
 
     def _pages(self, job: Job) -> list[int]:
         return self.pages_for(job.rows, job.max_length)
@@ -280,6 +289,7 @@ class Scheduler:
         with self._cond:
             setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
             self._running.discard(job)
+            self._workers.discard(threading.current_thread())
             self._reserved = [r - p for r, p in zip(self._reserved, self._pages(job), strict=True)]
             self._computing -= 1
             self._admit()

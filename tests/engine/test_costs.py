@@ -108,9 +108,7 @@ def test_a_shared_pass_is_priced_as_the_whole_pass_split_between_the_requests():
     assert shared.draft(1) == pytest.approx(0.064 / 8)
     assert shared.round_seconds("sd", 1, 4) is None
     c, b = costs.target_fit
-    assert costs.shared(16).target(1, 5) == pytest.approx(
-        (c + 80 * b) * 0.416 / (c + 40 * b) / 16
-    )
+    assert costs.shared(16).target(1, 5) == pytest.approx((c + 80 * b) * 0.416 / (c + 40 * b) / 16)
     dc, db = costs.draft_fit
     assert costs.shared(16).draft(1) == pytest.approx((dc + 16 * db) * 0.064 / (dc + 8 * db) / 16)
     # unmeasured shapes within the rows measured: the fit; one request alone prices a pass

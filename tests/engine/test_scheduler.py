@@ -1,6 +1,7 @@
 """Continuous batching: requests that share forward passes get exactly what they get alone."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -169,6 +170,29 @@ def test_cancelled_and_failing_jobs_free_their_pages_and_spare_the_others(llm):
         scheduler.shutdown()
     assert llm.target.pages.used_pages == 0 and llm.draft.pages.used_pages == 0
     assert (scheduler.stats.cancelled, scheduler.stats.failed) == (1, 1)
+
+
+def test_shutdown_returns_once_the_jobs_threads_have_unwound(llm):
+    """A caller that stops at the first failed request and exits must not leave another job
+    mid-step: a thread inside torch at interpreter exit aborts the process."""
+    scheduler = Scheduler((llm.target,))
+    started, unwound = threading.Event(), threading.Event()
+
+    def slow(views):
+        try:
+            started.set()
+            time.sleep(0.5)  # work between passes (sampling, drafting bookkeeping)
+            cache = llm.target.new_cache()
+            views[0].forward(torch.ones(1, 1, dtype=torch.long), cache, 1)
+        finally:
+            unwound.set()
+
+    job = scheduler.submit(Job(slow, (1,), 8))
+    assert started.wait(30)
+    scheduler.shutdown()
+    assert unwound.is_set(), "shutdown returned while a job was still running"
+    with pytest.raises(Cancelled):
+        job.future.result(timeout=30)
 
 
 def test_a_fault_in_a_pass_fails_the_waiting_jobs_instead_of_hanging_them(llm):

@@ -147,8 +147,7 @@ def test_smc_keeps_its_tokens_whatever_the_exact_methods_measured():
     base = {c.config: c.predicted for c in tuner.predictions(outlook(0.9, config=config))}
     weak = {SDConfig(4): (20, 20 * 1.2)}
     scaled = {
-        c.config: c.predicted
-        for c in tuner.predictions(outlook(0.9, config=config, measured=weak))
+        c.config: c.predicted for c in tuner.predictions(outlook(0.9, config=config, measured=weak))
     }
     assert scaled[SDConfig(2)] < base[SDConfig(2)]
     assert scaled[SMCConfig(2, 4)] == base[SMCConfig(2, 4)]
@@ -269,9 +268,11 @@ def test_a_request_that_shared_its_passes_teaches_no_costs():
 
 
 # the default pair's profile (int8, 2 Zen 4 cores): rows, tokens per row, seconds
+# fmt: off
 PASSES = [
     (1, 1, 0.0831), (1, 2, 0.0916), (1, 3, 0.1017), (1, 5, 0.1100), (1, 9, 0.1539),
     (2, 1, 0.0982), (2, 2, 0.1124), (2, 3, 0.1271), (2, 5, 0.1141), (2, 9, 0.1951),
     (4, 1, 0.1199), (4, 2, 0.1074), (4, 3, 0.1462), (4, 5, 0.2491), (4, 9, 0.3038),
     (8, 1, 0.1333), (8, 2, 0.1985), (8, 3, 0.2567), (8, 5, 0.4162), (8, 9, 0.6145),
 ]
+# fmt: on

@@ -178,7 +178,7 @@ def add_resample_threshold(p: argparse.ArgumentParser) -> None:
         "--resample-threshold",
         type=float,
         default=SMCConfig.resample_threshold,
-        help="resample when ESS < this x N",
+        help="resample when ESS < this x N (ESS >= 1: at N = 2 only above 0.5 resamples)",
     )
 
 

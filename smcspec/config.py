@@ -298,7 +298,8 @@ class SDConfig:
 
 @dataclass(frozen=True)
 class SMCConfig:
-    """SMC speculative decoding: N particles, K draft tokens per round, ESS-triggered resampling."""
+    """SMC speculative decoding: N particles, K draft tokens per round, resampling when
+    ESS < resample_threshold x N. ESS >= 1, so at N = 2 only a threshold above 0.5 resamples."""
 
     particles: int = SMC_PARTICLES
     draft_tokens: int = SMC_DRAFT_TOKENS

@@ -51,6 +51,9 @@ class Contender:
             label = f"sd K={s['draft_tokens']}"
         elif self.method == "smc":
             label = f"smc N={s['particles']} K={s['draft_tokens']}"
+            threshold = s.get("resample_threshold", SMCConfig.resample_threshold)
+            if threshold != SMCConfig.resample_threshold:
+                label += f" ESS<{threshold:g}N"
             if "power_alpha" in s:
                 label += f" power={s['power_alpha']:g}"
         elif self.method == "msd":

@@ -217,7 +217,17 @@ def accuracy(root: Path, *runs: str) -> str:
     later run), compared and plotted as one."""
     paths = [root / run / "accuracy.jsonl" for run in runs]
     rows = report.accuracy_summary([r for path in paths for r in measurements(path)])
-    return "".join(caption(path, root) for path in paths) + report.accuracy_table(rows)
+    return captions(paths, root) + report.accuracy_table(rows)
+
+
+def captions(paths: list[Path], root: Path) -> str:
+    """`caption` for several runs: one line when they ran on one machine with one pair."""
+    where = {(one_line(header(p)["machine"]), report.models_line(header(p))) for p in paths}
+    if len(paths) < 2 or len(where) > 1:
+        return "".join(caption(path, root) for path in paths)
+    ((machine, models),) = where
+    rels = ", ".join(f"`benchmarks/{p.relative_to(root).as_posix()}`" for p in paths)
+    return f"*Sources: {rels}; {machine}; {models}.*\n\n"
 
 
 def serve(root: Path, run: str) -> str:
@@ -276,7 +286,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "cpu/serve": lambda root: serve(root, "cpu/serve"),
     "cpu/serve-replicas": lambda root: serve(root, "cpu/serve-replicas"),
     "cpu/accuracy-power": lambda root: accuracy(root, "cpu/accuracy-power"),
-    "cpu/gsm8k": lambda root: accuracy(root, "cpu/gsm8k"),
+    "cpu/gsm8k": lambda root: accuracy(root, "cpu/gsm8k", "cpu/gsm8k-n4"),
     "cpu/json": lambda root: written(root, "cpu/json/json.md"),
     "cpu/fidelity": lambda root: written(root, "cpu/fidelity-int8/fidelity.md"),
     "gpu/estimate": lambda root: written(root, "gpu/estimate.md"),

@@ -247,3 +247,11 @@ def test_scoring_a_reply_gives_its_kv_pages_back(tiny_folder, tiny_draft_folder)
     for _ in range(3):
         assert accuracy.target_logp(tiny, list(range(1, 40)), list(range(1, 60))) < 0
     assert tiny.target.pages.free_pages == before
+
+
+def test_an_smc_row_names_its_resampling_threshold_when_it_is_not_the_default():
+    # two runs at different thresholds must not share labels: the label is the resume key
+    default = build_grid(["smc"], [4], [2], [8])
+    assert [c.label for c in default] == ["smc N=2 K=8"]
+    always = build_grid(["smc"], [4], [2], [8], resample_threshold=1.0, smc_power=[2.0])
+    assert [c.label for c in always] == ["smc N=2 K=8 ESS<1N", "smc N=2 K=8 ESS<1N power=2"]

@@ -80,3 +80,14 @@ def test_engine_kv_sentence_matches_the_bench() -> None:
     written = (BENCH / "cpu/engine-int8/engine.md").read_text()
     sentence = _table_of(tables.table("cpu/engine-kv", BENCH)).strip()
     assert sentence.replace(" against ", " vs ") in written
+
+
+def test_runs_merged_into_one_table_name_every_source_once_per_machine() -> None:
+    merged = tables.accuracy(BENCH, "cpu/gsm8k", "cpu/gsm8k-n4")
+    caption, table = merged.split("\n\n", 1)
+    assert caption.count("Sources: ") == 1 and caption.count("AMD EPYC") == 1
+    assert "`benchmarks/cpu/gsm8k/accuracy.jsonl`" in caption
+    assert "`benchmarks/cpu/gsm8k-n4/accuracy.jsonl`" in caption
+    assert "smc N=4 K=8" in table and "| ar | 100 |" in table
+    alone = tables.accuracy(BENCH, "cpu/gsm8k")
+    assert alone.startswith("*Source: `benchmarks/cpu/gsm8k/accuracy.jsonl`;")

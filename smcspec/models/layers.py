@@ -115,6 +115,79 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+class Int4Linear:
+    """Weight-only int4 per group: W[n, k] ~= (Q[n, k] - 8) * scale[g, n] + zero[g, n] for the
+    group g = k // group of inputs, Q in [0, 15], two to a byte in the layout of PyTorch's CPU
+    kernel (`aten._weight_int4pack_mm_for_cpu`), which multiplies bf16 activations by it. The
+    activations are not quantized, so no row needs a band of its own (`banded` is the call).
+    Packed once (`quantized`), the tensors are plain ones that the weight cache stores."""
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, group: int = 32
+    ) -> None:
+        packed, scales_zeros = quantize_int4(weight, group)
+        self._set(packed, scales_zeros, bias, group, int(weight.shape[1]))
+
+    @classmethod
+    def from_quantized(
+        cls,
+        packed: torch.Tensor,
+        scales_zeros: torch.Tensor,
+        bias: torch.Tensor | None,
+        group: int,
+        in_features: int,
+    ) -> Int4Linear:
+        """From `quantized()`'s tensors."""
+        linear = cls.__new__(cls)
+        linear._set(packed, scales_zeros, bias, group, in_features)
+        return linear
+
+    def _set(self, packed, scales_zeros, bias, group, in_features) -> None:
+        self.packed = packed  # uint8, the kernel's layout
+        self.scales_zeros = scales_zeros.to(torch.bfloat16)  # [in / group, out, 2]
+        self.bias = None if bias is None else bias.float()
+        self.group, self.in_features = group, in_features
+        self.out_features = int(scales_zeros.shape[1])
+
+    def quantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(packed uint8, scales and zeros float32 [in / group, out, 2]): what the cache keeps."""
+        return self.packed, self.scales_zeros.float()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [M, in]
+        y = _LINEAR_INT4(rows, self.packed, self.group, self.scales_zeros).float()  # [M, out]
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y.add_(self.bias)
+
+    banded = __call__
+    reference = __call__
+
+
+_LINEAR_INT4 = torch.ops.aten._weight_int4pack_mm_for_cpu.default
+INT4_GROUPS = (32, 64, 128, 256)  # what the kernel takes
+
+
+def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 per group of `group` inputs, each group's [min, max] onto 0..15:
+    (packed uint8 for the kernel, scales and zeros bf16 [in / group, out, 2]). Q is rounded
+    against the bf16 scale and zero the kernel will use, not the float ones."""
+    out_features, in_features = weight.shape
+    if group not in INT4_GROUPS or in_features % group:
+        raise ValueError(
+            f"int4 group size must be one of {INT4_GROUPS} and divide the {in_features} "
+            f"inputs, got {group}"
+        )
+    w = weight.float().reshape(out_features, in_features // group, group)
+    lo, hi = w.amin(-1), w.amax(-1)  # [out, groups]
+    scale = ((hi - lo) / 15).clamp_min(1e-8).to(torch.bfloat16).float()
+    zero = (lo + 8 * scale).to(torch.bfloat16).float()  # (Q - 8) * scale + zero = lo at Q = 0
+    q = torch.round((w - zero[..., None]) / scale[..., None] + 8).clamp_(0, 15)
+    q = q.reshape(out_features, in_features).to(torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    scales_zeros = torch.stack([scale, zero], -1).transpose(0, 1).contiguous()  # [groups, out, 2]
+    return packed, scales_zeros.to(torch.bfloat16)
+
+
 def make_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None,

@@ -55,7 +55,7 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
         "--dtype",
         default="auto",
         choices=DTYPES,
-        help="weights; auto = int8 on a CPU (float activations), bfloat16 on CUDA",
+        help="weights; auto = int8 on a CPU (float activations), bfloat16 on CUDA; int4: CPU",
     )
     p.add_argument(
         "--device",

@@ -113,7 +113,9 @@ def _add_fidelity(bsub) -> None:
     fid = command(bsub, "fidelity", "KL of int8 (or bfloat16) against float32")
     fid.add_argument("--target", default=None, help="folder or .gguf (default: built-in)")
     fid.add_argument("--draft", default=None, help="folder or .gguf (default: built-in)")
-    fid.add_argument("--dtype", default="int8", choices=["int8", "bfloat16"], help="compared")
+    fid.add_argument(
+        "--dtype", default="int8", choices=["int8", "int4", "bfloat16"], help="compared"
+    )
     fid.add_argument("--new-tokens", type=int, default=48, help="greedy continuation length")
     fid.add_argument(
         "--cache-dir",

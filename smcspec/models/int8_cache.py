@@ -1,8 +1,10 @@
-"""int8 weights kept on disk, so that a model is quantized once, not at every load.
+"""Quantized weights kept on disk, so that a model is quantized once, not at every load.
 
-The cache holds every linear layer of the native model as quantized (`layers.Int8Linear`): the
-int8 matrix `<name>.q` [out, in] and its per-channel scales `<name>.scale` [out] (the norms and
-embeddings stay in the source, which is read lazily). It is a safetensors file, written layer
+The cache holds every linear layer of the native model as quantized, one cache per `kind`:
+"int8" (`layers.Int8Linear`: the int8 matrix `<name>.q` [out, in] and its per-channel scales
+`<name>.scale` [out]) or "int4-g<group>" (`layers.Int4Linear`: the kernel's packed matrix
+`<name>.packed` and `<name>.scales_zeros` [in / group, out, 2]); the norms and embeddings stay in
+the source, which is read lazily. It is a safetensors file, written layer
 by layer, next to the source weights (or, where that folder is read-only, under the smcspec
 cache), with a stamp naming the cache format and, for each source file, its name, size,
 modification time, inode, change time and SHA-256.
@@ -41,8 +43,7 @@ import torch
 from smcspec.models import defaults
 
 FORMAT = 1  # bump when the cached tensors' meaning changes
-FOLDER_CACHE = "smcspec-int8"  # a folder's cache: <folder>/smcspec-int8.{safetensors,json}
-_DTYPES = {torch.int8: "I8", torch.float32: "F32"}
+_DTYPES = {torch.int8: "I8", torch.uint8: "U8", torch.float32: "F32"}
 # (name, dtype, shape, a function that makes the tensor when it is written)
 Entry = tuple[str, torch.dtype, tuple[int, ...], Callable[[], torch.Tensor]]
 _CHANGED = ("name", "size", "mtime_ns")  # a difference here: the source changed
@@ -85,7 +86,7 @@ def source_files(spec: Path) -> list[Path]:
     build hashed it.)"""
     if spec.suffix == ".gguf":
         return [spec]
-    return [f for f in sorted(spec.glob("*.safetensors")) if f.stem != FOLDER_CACHE]
+    return [f for f in sorted(spec.glob("*.safetensors")) if not f.stem.startswith("smcspec-int")]
 
 
 def stamp(files: list[Path], with_digest: bool) -> dict:
@@ -130,20 +131,22 @@ def _fields(s: dict, names: tuple[str, ...]) -> list[tuple]:
     return [tuple(e.get(n) for n in names) for e in s.get("files", [])]
 
 
-def location(spec: Path, cache_root: Path | None = None) -> Path:
-    """Where the cache of `spec` lives: beside it when that folder is writable, else under
-    `cache_root` (default: $SMCSPEC_CACHE or ~/.cache/smcspec) in int8/<hash of its path>."""
+def location(spec: Path, cache_root: Path | None = None, kind: str = "int8") -> Path:
+    """Where the `kind` cache of `spec` lives: beside it when that folder is writable, else
+    under `cache_root` (default: $SMCSPEC_CACHE or ~/.cache/smcspec) in <kind>/<hash of its
+    path>."""
     folder = spec.parent if spec.suffix == ".gguf" else spec
-    name = f"{spec.stem}.int8" if spec.suffix == ".gguf" else FOLDER_CACHE
+    name = f"{spec.stem}.{kind}" if spec.suffix == ".gguf" else f"smcspec-{kind}"
     if os.access(folder, os.W_OK):
         return folder / name
     key = hashlib.sha256(str(spec.resolve()).encode()).hexdigest()[:16]
-    return defaults.cache_root(cache_root) / "int8" / key / name
+    return defaults.cache_root(cache_root) / kind / key / name
 
 
-def load(spec: Path, cache_root: Path | None = None) -> LazyWeights | None:
-    """The cached int8 tensors of `spec` (lazily read), or None when there is no valid cache."""
-    where = location(spec, cache_root)
+def load(spec: Path, cache_root: Path | None = None, kind: str = "int8") -> LazyWeights | None:
+    """The cached `kind` tensors of `spec` (lazily read), or None when there is no valid
+    cache."""
+    where = location(spec, cache_root, kind)
     tensors, stamp_file = where.with_suffix(".safetensors"), where.with_suffix(".json")
     if not (tensors.is_file() and stamp_file.is_file()):
         return None
@@ -163,10 +166,12 @@ def load(spec: Path, cache_root: Path | None = None) -> LazyWeights | None:
     return LazyWeights([tensors])
 
 
-def save(spec: Path, tensors: list[Entry], cache_root: Path | None = None) -> Path | None:
-    """Write the int8 tensors of `spec` and then its stamp; a half-written cache never has a
+def save(
+    spec: Path, tensors: list[Entry], cache_root: Path | None = None, kind: str = "int8"
+) -> Path | None:
+    """Write the `kind` tensors of `spec` and then its stamp; a half-written cache never has a
     stamp, so it is never read. Returns the file, or None when nowhere is writable."""
-    where = location(spec, cache_root)
+    where = location(spec, cache_root, kind)
     try:
         where.parent.mkdir(parents=True, exist_ok=True)
         target = where.with_suffix(".safetensors")

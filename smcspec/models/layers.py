@@ -188,13 +188,18 @@ def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
     return packed, scales_zeros.to(torch.bfloat16)
 
 
+INT4_GROUP = 32  # the int4 weights' group size (see docs/benchmarks.md, "int4 on the CPU")
+
+
 def make_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     dtype: str,
     device: str | torch.device = "cpu",
-) -> DenseLinear | Int8Linear:
+) -> DenseLinear | Int8Linear | Int4Linear:
     if dtype == "int8":
         return Int8Linear(weight, bias)
+    if dtype == "int4":
+        return Int4Linear(weight, bias, INT4_GROUP)
     dt = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     return DenseLinear(weight.to(device, dt), None if bias is None else bias.to(device, dt))

@@ -25,11 +25,12 @@ from smcspec.models.attention import ForwardBatch, GatherAttention, GatherPlan, 
 from smcspec.models.attention import choose as choose_attention
 from smcspec.models.fused import rms_reference as _rms
 from smcspec.models.fused import rotate_reference as _rotate
+from smcspec.models.layers import INT4_GROUP
 from smcspec.models.llama_config import LlamaConfig
 from smcspec.models.llama_weights import (
     Layer,
     WeightBuilder,
-    int8_entries,
+    quantized_entries,
     random_weights,
     read_safetensors,
 )
@@ -37,6 +38,7 @@ from smcspec.models.rope_table import RopeTable
 from smcspec.sampling import to_device
 
 SUPPORTED = ("llama", "qwen2", "mistral")
+QUANTIZED = ("int8", "int4")  # CPU weight formats, each with its weight cache
 # Feeds longer than this run as successive passes of at most this many tokens per sequence, so
 # no pass builds scores [heads, T, L] over a whole long prompt: SDPA takes its math kernel
 # (float32 scores) whenever the gather path gives it a mask (a pass over a cached prefix, a
@@ -47,8 +49,9 @@ PREFILL_CHUNK = 2048
 
 
 class LlamaModel:
-    """Weights in `dtype`: "float32", "bfloat16" or "int8" (weights only: activations, norms,
-    embeddings and the KV cache stay float32; see `layers.Int8Linear`), on `device`.
+    """Weights in `dtype`: "float32", "bfloat16", "int8" or "int4" (weights only: activations,
+    norms, embeddings and the KV cache stay float32; see `layers.Int8Linear`, `Int4Linear`), on
+    `device`.
 
     Every tensor of a forward is made on the model's device: the host plans the batch (page
     tables, slots, positions: `plan`) and moves it in a few copies; `hidden` and `logits` then
@@ -78,8 +81,8 @@ class LlamaModel:
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
-        if dtype == "int8" and self.device.type != "cpu":
-            raise ValueError("int8 weights run on the CPU only (fbgemm); use bfloat16 on CUDA")
+        if dtype in QUANTIZED and self.device.type != "cpu":
+            raise ValueError(f"{dtype} weights run on the CPU only; use bfloat16 on CUDA")
         self.attention = choose_attention(attention, self.device)
         self.fused = self.device.type != "cpu"
         self._gather = GatherAttention()
@@ -91,9 +94,9 @@ class LlamaModel:
         self.rope = RopeTable(config.rope, self.act_dtype, self.device)
         self._sinks: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
-    def int8_entries(self) -> list[int8_cache.Entry]:
-        """Every linear as the int8 cache stores it (q, scale, bias), made when written."""
-        return int8_entries(self.lm_head, self.layers)
+    def quantized_entries(self) -> list[int8_cache.Entry]:
+        """Every linear as the weight cache stores it, made when written."""
+        return quantized_entries(self.lm_head, self.layers)
 
     @classmethod
     def from_folder(
@@ -102,12 +105,13 @@ class LlamaModel:
         """Load a Hugging Face safetensors folder (config.json + *.safetensors)."""
         folder = Path(folder)
         config = LlamaConfig.read(folder)
-        if dtype == "int8":  # quantized once, then read from the int8 cache
-            cached = int8_cache.load(folder)
+        if dtype in QUANTIZED:  # quantized once, then read from the weight cache
+            kind = "int8" if dtype == "int8" else f"int4-g{INT4_GROUP}"
+            cached = int8_cache.load(folder, kind=kind)
             lazy = int8_cache.LazyWeights(int8_cache.source_files(folder))
             model = cls(config, lazy, dtype, device, quantized=cached, **kw)
             if cached is None:
-                int8_cache.save(folder, model.int8_entries())
+                int8_cache.save(folder, model.quantized_entries(), kind=kind)
             return model
         return cls(config, read_safetensors(folder), dtype, device, **kw)
 

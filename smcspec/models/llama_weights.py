@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 
 from smcspec.models import int8_cache
-from smcspec.models.layers import DenseLinear, Int8Linear, make_linear
+from smcspec.models.layers import DenseLinear, Int4Linear, Int8Linear, make_linear
 from smcspec.models.llama_config import LlamaConfig
 
-Linear = DenseLinear | Int8Linear
+Linear = DenseLinear | Int8Linear | Int4Linear
 
 
 @dataclass
@@ -98,6 +98,11 @@ class WeightBuilder:
             bias = cached.pop(f"{key}.bias") if f"{key}.bias" in cached else None
             q, scale = cached.pop(f"{key}.q"), cached.pop(f"{key}.scale")
             return Int8Linear.from_quantized(q, scale, bias)
+        if cached is not None and f"{key}.packed" in cached:
+            bias = cached.pop(f"{key}.bias") if f"{key}.bias" in cached else None
+            packed, sz = cached.pop(f"{key}.packed"), cached.pop(f"{key}.scales_zeros")
+            group = _group_of(packed, sz)
+            return Int4Linear.from_quantized(packed, sz, bias, group, group * sz.shape[0])
         take = w.__getitem__ if keep else w.pop
         parts = [take(n) for n in weights]
         weight = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -105,8 +110,15 @@ class WeightBuilder:
         return make_linear(weight, bias, self.dtype, self.device)
 
 
-def int8_entries(lm_head: Linear, layers: list[Layer]) -> list[int8_cache.Entry]:
-    """Every linear as the int8 cache stores it (q, scale, bias), made when written."""
+def _group_of(packed: torch.Tensor, scales_zeros: torch.Tensor) -> int:
+    """An int4 linear's group size, from its tensors: the packed matrix holds two inputs a byte
+    per output, the scales one row per group."""
+    return packed.numel() * 2 // scales_zeros.shape[1] // scales_zeros.shape[0]
+
+
+def quantized_entries(lm_head: Linear, layers: list[Layer]) -> list[int8_cache.Entry]:
+    """Every linear as the weight cache stores it, made when written: int8 (q, scale, bias) or
+    int4 (packed, scales_zeros, bias)."""
     named = [("lm_head", lm_head)]
     for i, layer in enumerate(layers):
         p = f"model.layers.{i}."
@@ -115,8 +127,16 @@ def int8_entries(lm_head: Linear, layers: list[Layer]) -> list[int8_cache.Entry]
     entries: list[int8_cache.Entry] = []
     for key, linear in named:
         out, inp = linear.out_features, linear.in_features
-        entries.append((f"{key}.q", torch.int8, (out, inp), lambda x=linear: x.quantized()[0]))
-        entries.append((f"{key}.scale", torch.float32, (out,), lambda x=linear: x.quantized()[1]))
+        if isinstance(linear, Int4Linear):
+            packed, sz = linear.quantized()
+            shapes = {
+                "packed": (torch.uint8, tuple(packed.shape)),
+                "scales_zeros": (torch.float32, tuple(sz.shape)),
+            }
+        else:
+            shapes = {"q": (torch.int8, (out, inp)), "scale": (torch.float32, (out,))}
+        for i, (name, (dtype, shape)) in enumerate(shapes.items()):
+            entries.append((f"{key}.{name}", dtype, shape, lambda x=linear, i=i: x.quantized()[i]))
         if linear.bias is not None:
             entries.append((f"{key}.bias", torch.float32, (out,), lambda x=linear: x.bias))
     return entries

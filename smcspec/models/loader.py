@@ -9,8 +9,9 @@ takes hf, whose transformers reads `rope_scaling` itself. transformers' GGUF loa
 scaling for these architectures (neither `rope.scaling.*` nor the `rope_freqs` of Llama 3.1
 files), so a .gguf with a scaling the native engine cannot run is refused on every backend:
 hf would run it silently wrong. Precisions: float32,
-bfloat16, float16 (hf only), int8 (CPU: int8 weights, float activations), auto (int8 on a CPU,
-bfloat16 on CUDA).
+bfloat16, float16 (hf only), int8 (CPU: int8 weights, float activations), int4 (CPU, native
+only: int4 weights per group, bf16 activations inside each product), auto (int8 on a CPU, bfloat16
+on CUDA).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     from smcspec.models.llama import LlamaModel
 
 BACKENDS = ("auto", "native", "hf")
-DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "int4")
 
 
 def resolve_device(device: str) -> str:
@@ -57,8 +58,8 @@ def resolve_dtype(dtype: str, device: str) -> str:
     on_cpu = str(device).startswith("cpu")
     if dtype == "auto":
         return "int8" if on_cpu else "bfloat16"
-    if dtype == "int8" and not on_cpu:
-        raise ValueError("int8 weights run on the CPU only (fbgemm); use bfloat16 on CUDA")
+    if dtype in ("int8", "int4") and not on_cpu:
+        raise ValueError(f"{dtype} weights run on the CPU only; use bfloat16 on CUDA")
     return dtype
 
 
@@ -224,7 +225,7 @@ def read_native(
     from smcspec.models.llama import LlamaModel
 
     if dtype == "float16":
-        raise ValueError("the native backend runs float32, bfloat16 or int8, not float16")
+        raise ValueError("the native backend runs float32, bfloat16, int8 or int4, not float16")
     path = Path(spec).expanduser()
     reason = native_refusal(spec)
     if reason is not None:

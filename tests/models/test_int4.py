@@ -61,3 +61,26 @@ def test_any_leading_shape_and_a_bias():
 def test_a_bad_group_size_is_refused_naming_it(group, inputs):
     with pytest.raises(ValueError, match=rf"int4 group size .* got {group}$"):
         Int4Linear(torch.randn(8, inputs), None, group)
+
+
+def test_int4_is_refused_where_it_cannot_run_in_one_line():
+    from smcspec.models.hf import load as load_hf
+    from smcspec.models.loader import resolve_dtype
+
+    assert resolve_dtype("int4", "cpu") == "int4"
+    with pytest.raises(ValueError, match=r"^int4 weights run on the CPU only"):
+        resolve_dtype("int4", "cuda")
+    with pytest.raises(ValueError, match=r"^int4 weights run on the native engine only"):
+        load_hf("/nonexistent/model", "int4", "cpu")
+
+
+def test_a_pair_in_int4_generates_as_the_methods_promise(
+    tiny_llama_folder, tiny_llama_draft_folder
+):
+    from smcspec import LLM
+
+    llm = LLM(str(tiny_llama_folder), str(tiny_llama_draft_folder), backend="native", dtype="int4")
+    greedy = dict(temperature=0.0, max_new_tokens=12, stop_at_eos=False)
+    ar = llm.generate("w1 w2 w3", method="ar", **greedy)
+    sd = llm.generate("w1 w2 w3", method="sd", draft_tokens=3, **greedy)
+    assert len(ar.token_ids) == 12 and sd.token_ids == ar.token_ids  # sd is exact, also in int4

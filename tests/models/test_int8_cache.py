@@ -181,7 +181,44 @@ def test_two_writers_at_once_leave_one_whole_cache(folder):
     int8 = LlamaModel.from_folder(folder, "int8")
     (folder / "smcspec-int8.json").unlink()
     with ThreadPoolExecutor(2) as pool:
-        done = list(pool.map(lambda _: int8_cache.save(folder, int8.int8_entries()), range(2)))
+        done = list(pool.map(lambda _: int8_cache.save(folder, int8.quantized_entries()), range(2)))
     assert all(path is not None for path in done)
     assert cache_files(folder) == ["smcspec-int8.json", "smcspec-int8.safetensors"]
     assert torch.equal(logits(LlamaModel.from_folder(folder, "int8")), logits(int8))
+
+
+def test_int4_weights_have_their_own_cache_read_back_to_the_same_logits(folder, monkeypatch):
+    """int4 (group 32) is cached apart from int8, holds the kernel's packed tensors, and a warm
+    load gives the cold load's logits exactly; a changed source rebuilds it."""
+    cold = LlamaModel.from_folder(folder, "int4")
+    names = sorted(p.name for p in folder.iterdir() if p.name.startswith("smcspec-int"))
+    assert names == ["smcspec-int4-g32.json", "smcspec-int4-g32.safetensors"]
+    cached = int8_cache.load(folder, kind="int4-g32")
+    packed, scales_zeros = cold.layers[0].gate_up.quantized()
+    assert torch.equal(cached["model.layers.0.mlp.gate_up.packed"], packed)
+    assert torch.equal(cached["model.layers.0.mlp.gate_up.scales_zeros"], scales_zeros)
+    made = []
+    real = LlamaModel.__init__
+
+    def spy(self, *args, quantized=None, **kw):
+        made.append(quantized is not None)
+        real(self, *args, quantized=quantized, **kw)
+
+    monkeypatch.setattr(LlamaModel, "__init__", spy)
+    warm = LlamaModel.from_folder(folder, "int4")
+    assert made == [True] and torch.equal(logits(warm), logits(cold))
+    assert int8_cache.load(folder) is None, "int8 must not read the int4 cache"
+    source = folder / "model.safetensors"
+    stat = source.stat()
+    os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert int8_cache.load(folder, kind="int4-g32") is None
+
+
+def test_int4_logits_stay_near_the_float_model(folder):
+    """4 bits per weight on random weights: close to float32, and further than int8."""
+    full = logits(LlamaModel.from_folder(folder, "float32")).log_softmax(-1)
+    kl = {}
+    for dtype in ("int8", "int4"):
+        low = logits(LlamaModel.from_folder(folder, dtype)).log_softmax(-1)
+        kl[dtype] = float((full.exp() * (full - low)).sum(-1).mean())
+    assert kl["int8"] < kl["int4"] < 0.05, kl

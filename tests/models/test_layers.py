@@ -56,7 +56,7 @@ def test_make_linear_and_dtypes(weight):
     assert resolve_dtype("auto", "cpu") == "int8"
     assert resolve_dtype("auto", "cuda:0") == "bfloat16"
     with pytest.raises(ValueError, match="dtype must be one of"):
-        resolve_dtype("int4", "cpu")
+        resolve_dtype("int3", "cpu")
     with pytest.raises(ValueError, match="CPU only"):
         resolve_dtype("int8", "cuda")
 

@@ -287,6 +287,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "cpu/serve-replicas": lambda root: serve(root, "cpu/serve-replicas"),
     "cpu/accuracy-power": lambda root: accuracy(root, "cpu/accuracy-power"),
     "cpu/gsm8k": lambda root: accuracy(root, "cpu/gsm8k", "cpu/gsm8k-n4"),
+    "cpu/math500": lambda root: accuracy(root, "cpu/math500"),
     "cpu/gsm8k-settings": lambda root: accuracy(root, "cpu/gsm8k-k4", "cpu/gsm8k-threshold"),
     "cpu/json": lambda root: written(root, "cpu/json/json.md"),
     "cpu/fidelity": lambda root: written(root, "cpu/fidelity-int8/fidelity.md"),

@@ -32,10 +32,9 @@ def cache_files(folder) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name.startswith("smcspec-int8"))
 
 
-def test_the_first_load_writes_the_cache_and_the_next_reads_it(folder, monkeypatch):
-    cold = LlamaModel.from_folder(folder, "int8")
-    assert cache_files(folder) == ["smcspec-int8.json", "smcspec-int8.safetensors"]
-    made = []
+def builds_from_cache(monkeypatch) -> list[bool]:
+    """From now on, whether each model built was given cached quantized weights."""
+    made: list[bool] = []
     real = LlamaModel.__init__
 
     def spy(self, *args, quantized=None, **kw):
@@ -43,6 +42,13 @@ def test_the_first_load_writes_the_cache_and_the_next_reads_it(folder, monkeypat
         real(self, *args, quantized=quantized, **kw)
 
     monkeypatch.setattr(LlamaModel, "__init__", spy)
+    return made
+
+
+def test_the_first_load_writes_the_cache_and_the_next_reads_it(folder, monkeypatch):
+    cold = LlamaModel.from_folder(folder, "int8")
+    assert cache_files(folder) == ["smcspec-int8.json", "smcspec-int8.safetensors"]
+    made = builds_from_cache(monkeypatch)
     warm = LlamaModel.from_folder(folder, "int8")
     assert made == [True]  # built from the cache, not quantized again
     assert torch.equal(logits(warm), logits(cold))
@@ -197,14 +203,7 @@ def test_int4_weights_have_their_own_cache_read_back_to_the_same_logits(folder, 
     packed, scales_zeros = cold.layers[0].gate_up.quantized()
     assert torch.equal(cached["model.layers.0.mlp.gate_up.packed"], packed)
     assert torch.equal(cached["model.layers.0.mlp.gate_up.scales_zeros"], scales_zeros)
-    made = []
-    real = LlamaModel.__init__
-
-    def spy(self, *args, quantized=None, **kw):
-        made.append(quantized is not None)
-        real(self, *args, quantized=quantized, **kw)
-
-    monkeypatch.setattr(LlamaModel, "__init__", spy)
+    made = builds_from_cache(monkeypatch)
     warm = LlamaModel.from_folder(folder, "int4")
     assert made == [True] and torch.equal(logits(warm), logits(cold))
     assert int8_cache.load(folder) is None, "int8 must not read the int4 cache"

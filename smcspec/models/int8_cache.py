@@ -2,8 +2,10 @@
 
 The cache holds every linear layer of the native model as quantized, one cache per `kind`:
 "int8" (`layers.Int8Linear`: the int8 matrix `<name>.q` [out, in] and its per-channel scales
-`<name>.scale` [out]) or "int4-g<group>" (`layers.Int4Linear`: the kernel's packed matrix
-`<name>.packed` and `<name>.scales_zeros` [in / group, out, 2]); the norms and embeddings stay in
+`<name>.scale` [out]), "int4-b16-g<group>" (`int4.Int4Linear`, smcspec's kernel: `<name>.q4`
+[out / 16, in / 8, 64] and `<name>.scales` float16 [out / 16, in / group, 2, 16]) or
+"int4-g<group>" (`layers.AtenInt4Linear`, PyTorch's kernel: `<name>.packed` and
+`<name>.scales_zeros` [in / group, out, 2]); the norms and embeddings stay in
 the source, which is read lazily. It is a safetensors file, written layer
 by layer, next to the source weights (or, where that folder is read-only, under the smcspec
 cache), with a stamp naming the cache format and, for each source file, its name, size,
@@ -43,7 +45,7 @@ import torch
 from smcspec.models import defaults
 
 FORMAT = 1  # bump when the cached tensors' meaning changes
-_DTYPES = {torch.int8: "I8", torch.uint8: "U8", torch.float32: "F32"}
+_DTYPES = {torch.int8: "I8", torch.uint8: "U8", torch.float16: "F16", torch.float32: "F32"}
 # (name, dtype, shape, a function that makes the tensor when it is written)
 Entry = tuple[str, torch.dtype, tuple[int, ...], Callable[[], torch.Tensor]]
 _CHANGED = ("name", "size", "mtime_ns")  # a difference here: the source changed

@@ -1,4 +1,5 @@
-"""Linear layers of the native model: a plain floating-point reference and an int8 fast path.
+"""Linear layers of the native model: a plain floating-point reference and the int8 and int4 fast
+paths (int4 runs on smcspec's own kernel, `int4.Int4Linear`, where it builds).
 
 `Int8Linear` stores weights as symmetric int8 with one scale per output channel and runs through
 fbgemm's dynamic quantized linear, which quantizes the activations on the fly with one scale per
@@ -13,6 +14,8 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+
+from smcspec.models import int4
 
 _LINEAR_INT8 = torch.ops.quantized.linear_dynamic.default  # the overload itself: less dispatch
 # torch calls its quantized tensors deprecated, once per process, from whichever thread packs
@@ -115,8 +118,9 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-class Int4Linear:
-    """Weight-only int4 per group: W[n, k] ~= (Q[n, k] - 8) * scale[g, n] + zero[g, n] for the
+class AtenInt4Linear:
+    """Weight-only int4 per group (the fallback where smcspec's kernel, `int4.Int4Linear`, cannot
+    be built): W[n, k] ~= (Q[n, k] - 8) * scale[g, n] + zero[g, n] for the
     group g = k // group of inputs, Q in [0, 15], two to a byte in the layout of PyTorch's CPU
     kernel (`aten._weight_int4pack_mm_for_cpu`), which multiplies bf16 activations by it. The
     activations are not quantized, so no row needs a band of its own (`banded` is the call).
@@ -136,7 +140,7 @@ class Int4Linear:
         bias: torch.Tensor | None,
         group: int,
         in_features: int,
-    ) -> Int4Linear:
+    ) -> AtenInt4Linear:
         """From `quantized()`'s tensors."""
         linear = cls.__new__(cls)
         linear._set(packed, scales_zeros, bias, group, in_features)
@@ -189,6 +193,13 @@ def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
 
 
 INT4_GROUP = 32  # the int4 weights' group size (see docs/benchmarks.md, "int4 on the CPU")
+Linear = DenseLinear | Int8Linear | AtenInt4Linear | int4.Int4Linear
+
+
+def int4_kind() -> str:
+    """The weight cache's kind for int4 weights on this machine: smcspec's kernel packs them
+    in blocks of 16 outputs, PyTorch's in its own layout."""
+    return f"int4-b16-g{INT4_GROUP}" if int4.available() else f"int4-g{INT4_GROUP}"
 
 
 def make_linear(
@@ -196,10 +207,14 @@ def make_linear(
     bias: torch.Tensor | None,
     dtype: str,
     device: str | torch.device = "cpu",
-) -> DenseLinear | Int8Linear | Int4Linear:
+) -> Linear:
     if dtype == "int8":
         return Int8Linear(weight, bias)
     if dtype == "int4":
-        return Int4Linear(weight, bias, INT4_GROUP)
+        if not int4.available():
+            return AtenInt4Linear(weight, bias, INT4_GROUP)
+        if weight.shape[0] % int4.LANES or weight.shape[1] % INT4_GROUP:
+            return Int8Linear(weight, bias)  # a shape the kernel's blocks do not tile
+        return int4.Int4Linear(weight, bias, INT4_GROUP)
     dt = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     return DenseLinear(weight.to(device, dt), None if bias is None else bias.to(device, dt))

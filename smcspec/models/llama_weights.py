@@ -17,11 +17,9 @@ from pathlib import Path
 
 import torch
 
-from smcspec.models import int8_cache
-from smcspec.models.layers import DenseLinear, Int4Linear, Int8Linear, make_linear
+from smcspec.models import int4, int8_cache
+from smcspec.models.layers import AtenInt4Linear, Int8Linear, Linear, make_linear
 from smcspec.models.llama_config import LlamaConfig
-
-Linear = DenseLinear | Int8Linear | Int4Linear
 
 
 @dataclass
@@ -102,7 +100,12 @@ class WeightBuilder:
             bias = cached.pop(f"{key}.bias") if f"{key}.bias" in cached else None
             packed, sz = cached.pop(f"{key}.packed"), cached.pop(f"{key}.scales_zeros")
             group = _group_of(packed, sz)
-            return Int4Linear.from_quantized(packed, sz, bias, group, group * sz.shape[0])
+            return AtenInt4Linear.from_quantized(packed, sz, bias, group, group * sz.shape[0])
+        if cached is not None and f"{key}.q4" in cached:
+            bias = cached.pop(f"{key}.bias") if f"{key}.bias" in cached else None
+            return int4.Int4Linear.from_quantized(
+                cached.pop(f"{key}.q4"), cached.pop(f"{key}.scales"), bias
+            )
         take = w.__getitem__ if keep else w.pop
         parts = [take(n) for n in weights]
         weight = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -117,8 +120,8 @@ def _group_of(packed: torch.Tensor, scales_zeros: torch.Tensor) -> int:
 
 
 def quantized_entries(lm_head: Linear, layers: list[Layer]) -> list[int8_cache.Entry]:
-    """Every linear as the weight cache stores it, made when written: int8 (q, scale, bias) or
-    int4 (packed, scales_zeros, bias)."""
+    """Every linear as the weight cache stores it, made when written: int8 (q, scale, bias),
+    int4 on smcspec's kernel (q4, scales, bias) or on PyTorch's (packed, scales_zeros, bias)."""
     named = [("lm_head", lm_head)]
     for i, layer in enumerate(layers):
         p = f"model.layers.{i}."
@@ -127,7 +130,13 @@ def quantized_entries(lm_head: Linear, layers: list[Layer]) -> list[int8_cache.E
     entries: list[int8_cache.Entry] = []
     for key, linear in named:
         out, inp = linear.out_features, linear.in_features
-        if isinstance(linear, Int4Linear):
+        if isinstance(linear, int4.Int4Linear):
+            q4, sl = linear.quantized()
+            shapes = {
+                "q4": (torch.uint8, tuple(q4.shape)),
+                "scales": (torch.float16, tuple(sl.shape)),
+            }
+        elif isinstance(linear, AtenInt4Linear):
             packed, sz = linear.quantized()
             shapes = {
                 "packed": (torch.uint8, tuple(packed.shape)),

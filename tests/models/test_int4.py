@@ -1,15 +1,16 @@
-"""int4 weights per group on PyTorch's CPU kernel: the packing convention, the rounding bound and
-the checks on the group size."""
+"""int4 weights per group on PyTorch's CPU kernel (`AtenInt4Linear`, the fallback where smcspec's
+own kernel cannot be built): the packing convention, the rounding bound and the checks on the
+group size; and the int4 dtype end to end, on whichever kernel this machine runs."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from smcspec.models.layers import INT4_GROUPS, Int4Linear
+from smcspec.models.layers import INT4_GROUPS, AtenInt4Linear
 
 
 def dequantized_by_hand(w: torch.Tensor, group: int) -> torch.Tensor:
-    """The weights `Int4Linear` should multiply by, written out apart from it: each group of
+    """The weights `AtenInt4Linear` should multiply by, written out apart from it: each group of
     `group` inputs maps [min, max] onto 0..15 with a bf16 scale and offset."""
     n, k = w.shape
     g = w.reshape(n, k // group, group)
@@ -26,18 +27,18 @@ def test_the_kernel_multiplies_by_the_weights_the_packing_describes(group):
     w = torch.randn(96, 512, generator=g) * 0.02
     bias = torch.randn(96, generator=g)
     x = torch.randn(7, 512, generator=g)
-    linear = Int4Linear(w, bias, group)
+    linear = AtenInt4Linear(w, bias, group)
     expected = F.linear(x.bfloat16().float(), dequantized_by_hand(w, group), bias)
     got = linear(x)
     # bf16 products and output: about 2^-8 of each output's size
     assert ((got - expected).norm() / expected.norm()) < 4e-3
-    same = Int4Linear.from_quantized(*linear.quantized(), bias, group, 512)
+    same = AtenInt4Linear.from_quantized(*linear.quantized(), bias, group, 512)
     assert torch.equal(same(x), got)
 
 
 def test_every_weight_is_within_half_a_step_of_itself():
     w = torch.randn(64, 256, generator=torch.Generator().manual_seed(1)) * 0.05
-    linear = Int4Linear(w, None, 32)
+    linear = AtenInt4Linear(w, None, 32)
     # the kernel applied to the identity reads back W^T (rounded to bf16 on the way out)
     read = linear(torch.eye(256)).T  # [64, 256]
     groups = w.reshape(64, 8, 32)
@@ -49,7 +50,7 @@ def test_every_weight_is_within_half_a_step_of_itself():
 
 def test_any_leading_shape_and_a_bias():
     w = torch.randn(32, 128, generator=torch.Generator().manual_seed(2))
-    linear = Int4Linear(w, torch.ones(32), 64)
+    linear = AtenInt4Linear(w, torch.ones(32), 64)
     x = torch.randn(2, 3, 128)
     assert torch.allclose(linear(x)[1, 2], linear(x[1, 2][None])[0])
     assert linear(x).shape == (2, 3, 32) and linear(x).dtype == torch.float32
@@ -60,7 +61,7 @@ def test_any_leading_shape_and_a_bias():
 )
 def test_a_bad_group_size_is_refused_naming_it(group, inputs):
     with pytest.raises(ValueError, match=rf"int4 group size .* got {group}$"):
-        Int4Linear(torch.randn(8, inputs), None, group)
+        AtenInt4Linear(torch.randn(8, inputs), None, group)
 
 
 def test_int4_is_refused_where_it_cannot_run_in_one_line():

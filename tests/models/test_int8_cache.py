@@ -8,7 +8,8 @@ import shutil
 import pytest
 import torch
 
-from smcspec.models import int8_cache
+from smcspec.models import int4, int8_cache
+from smcspec.models.layers import AtenInt4Linear, int4_kind
 from smcspec.models.llama import LlamaModel
 from tests.conftest import save_tiny_model
 
@@ -197,12 +198,13 @@ def test_int4_weights_have_their_own_cache_read_back_to_the_same_logits(folder, 
     """int4 (group 32) is cached apart from int8, holds the kernel's packed tensors, and a warm
     load gives the cold load's logits exactly; a changed source rebuilds it."""
     cold = LlamaModel.from_folder(folder, "int4")
+    kind = int4_kind()
     names = sorted(p.name for p in folder.iterdir() if p.name.startswith("smcspec-int"))
-    assert names == ["smcspec-int4-g32.json", "smcspec-int4-g32.safetensors"]
-    cached = int8_cache.load(folder, kind="int4-g32")
-    packed, scales_zeros = cold.layers[0].gate_up.quantized()
-    assert torch.equal(cached["model.layers.0.mlp.gate_up.packed"], packed)
-    assert torch.equal(cached["model.layers.0.mlp.gate_up.scales_zeros"], scales_zeros)
+    assert names == [f"smcspec-{kind}.json", f"smcspec-{kind}.safetensors"]
+    cached = int8_cache.load(folder, kind=kind)
+    keys = ("q4", "scales") if int4.available() else ("packed", "scales_zeros")
+    for key, tensor in zip(keys, cold.layers[0].gate_up.quantized(), strict=True):
+        assert torch.equal(cached[f"model.layers.0.mlp.gate_up.{key}"], tensor)
     made = builds_from_cache(monkeypatch)
     warm = LlamaModel.from_folder(folder, "int4")
     assert made == [True] and torch.equal(logits(warm), logits(cold))
@@ -210,7 +212,21 @@ def test_int4_weights_have_their_own_cache_read_back_to_the_same_logits(folder, 
     source = folder / "model.safetensors"
     stat = source.stat()
     os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
-    assert int8_cache.load(folder, kind="int4-g32") is None
+    assert int8_cache.load(folder, kind=kind) is None
+
+
+def test_where_the_int4_kernel_does_not_build_its_weights_are_cached_in_pytorchs_layout(
+    folder, monkeypatch
+):
+    built = LlamaModel.from_folder(folder, "int4")
+    monkeypatch.setattr(int4.KERNEL, "get", lambda: None)
+    assert int4_kind() == "int4-g32"
+    cold = LlamaModel.from_folder(folder, "int4")
+    assert isinstance(cold.layers[0].gate_up, AtenInt4Linear)
+    assert int8_cache.load(folder, kind="int4-g32") is not None
+    warm = LlamaModel.from_folder(folder, "int4")
+    assert torch.equal(logits(warm), logits(cold))
+    assert (logits(cold) - logits(built)).abs().max() < 0.05 * logits(built).abs().max()
 
 
 def test_int4_logits_stay_near_the_float_model(folder):

@@ -179,8 +179,9 @@ def against_llama_cpp(root: Path, run: str) -> str:
     bench's labels."""
     path = root / run / "speed.jsonl"
     rows = report.speed_summary(measurements(path))
+    precision = header(path)["machine"]["precision"].split(",")[0]  # "int4, native backend"
     columns = [
-        Column("method", _peer_name),
+        Column("method", lambda r: _peer_name(r, precision)),
         Column("tok/s (median)", _f("median_tps")),
         Column("min-max", lambda r: f"{r['min_tps']:.2f}-{r['max_tps']:.2f}"),
         Column("vs our ar", _f("vs_ar", suffix="x")),
@@ -193,12 +194,12 @@ def against_llama_cpp(root: Path, run: str) -> str:
 PEERS = (("llama-cpp-spec ", "llama.cpp speculative "), ("llama-cpp ", "llama.cpp "))
 
 
-def _peer_name(row: dict[str, Any]) -> str:
+def _peer_name(row: dict[str, Any], precision: str) -> str:
     label = row["label"]
     for prefix, name in PEERS:
         if label.startswith(prefix):
             return name + label.removeprefix(prefix)
-    return f"ours: {label}" + (" (int8)" if label == "ar" else "")
+    return f"ours: {label}" + (f" ({precision})" if label == "ar" else "")
 
 
 def _acceptance_or_ess(row: dict[str, Any]) -> str:
@@ -276,6 +277,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "cpu/engine-e2e": lambda root: engine_end_to_end(root, "cpu/engine-int8"),
     "cpu/engine-kv": lambda root: engine_kv(root, "cpu/engine-int8"),
     "cpu/llama-cpp": lambda root: against_llama_cpp(root, "cpu/llama-cpp"),
+    "cpu/llama-cpp-int4": lambda root: against_llama_cpp(root, "cpu/llama-cpp-int4"),
     "cpu/sweep-int8": lambda root: speed(root, "cpu/sweep-int8"),
     "cpu/draft-temperature": lambda root: speed(root, "cpu/draft-temperature"),
     "cpu/auto-sweep": lambda root: speed(root, "cpu/auto-sweep"),

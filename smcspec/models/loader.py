@@ -10,7 +10,8 @@ scaling for these architectures (neither `rope.scaling.*` nor the `rope_freqs` o
 files), so a .gguf with a scaling the native engine cannot run is refused on every backend:
 hf would run it silently wrong. Precisions: float32,
 bfloat16, float16 (hf only), int8 (CPU: int8 weights, float activations), int4 (CPU, native
-only: int4 weights per group, bf16 activations inside each product), auto (int8 on a CPU, bfloat16
+only: int4 weights per group of 32 inputs on smcspec's own kernel, built on first use, which
+rounds each product's activations to int8 per group), auto (int8 on a CPU, bfloat16
 on CUDA).
 """
 

@@ -24,7 +24,7 @@ def test_page_tables_match_the_committed_runs(page: Path) -> None:
 def test_the_headline_tables_are_marked() -> None:
     readme = (ROOT / "README.md").read_text()
     names = {m["name"] for m in tables.MARKER.finditer(readme)}
-    assert {"cpu/speed", "cpu/llama-cpp"} <= names
+    assert {"cpu/speed", "cpu/llama-cpp-int4"} <= names
     used = {m["name"] for page in PAGES for m in tables.MARKER.finditer(page.read_text())}
     assert used == set(tables.TABLES), "every table is quoted somewhere, and only known ones"
 
@@ -91,3 +91,11 @@ def test_runs_merged_into_one_table_name_every_source_once_per_machine() -> None
     assert "smc N=4 K=8" in table and "| ar | 100 |" in table
     alone = tables.accuracy(BENCH, "cpu/gsm8k")
     assert alone.startswith("*Source: `benchmarks/cpu/gsm8k/accuracy.jsonl`;")
+
+
+@pytest.mark.parametrize(
+    "run, precision", [("cpu/llama-cpp", "int8"), ("cpu/llama-cpp-int4", "int4")]
+)
+def test_our_ar_row_against_llama_cpp_names_the_runs_own_precision(run, precision) -> None:
+    table = tables.against_llama_cpp(BENCH, run)
+    assert f"| ours: ar ({precision}) |" in table and "| llama.cpp Q4_K_M |" in table

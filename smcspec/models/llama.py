@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from smcspec.kv.cache import PagedKVCache
-from smcspec.models import fused, int8_cache
+from smcspec.models import fused, weight_cache
 from smcspec.models.attention import ForwardBatch, GatherAttention, GatherPlan, for_feed
 from smcspec.models.attention import choose as choose_attention
 from smcspec.models.fused import rms_reference as _rms
@@ -94,7 +94,7 @@ class LlamaModel:
         self.rope = RopeTable(config.rope, self.act_dtype, self.device)
         self._sinks: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
-    def quantized_entries(self) -> list[int8_cache.Entry]:
+    def quantized_entries(self) -> list[weight_cache.Entry]:
         """Every linear as the weight cache stores it, made when written."""
         return quantized_entries(self.lm_head, self.layers)
 
@@ -107,11 +107,11 @@ class LlamaModel:
         config = LlamaConfig.read(folder)
         if dtype in QUANTIZED:  # quantized once, then read from the weight cache
             kind = "int8" if dtype == "int8" else int4_kind()
-            cached = int8_cache.load(folder, kind=kind)
-            lazy = int8_cache.LazyWeights(int8_cache.source_files(folder))
+            cached = weight_cache.load(folder, kind=kind)
+            lazy = weight_cache.LazyWeights(weight_cache.source_files(folder))
             model = cls(config, lazy, dtype, device, quantized=cached, **kw)
             if cached is None:
-                int8_cache.save(folder, model.quantized_entries(), kind=kind)
+                weight_cache.save(folder, model.quantized_entries(), kind=kind)
             return model
         return cls(config, read_safetensors(folder), dtype, device, **kw)
 

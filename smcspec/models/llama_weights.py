@@ -1,6 +1,6 @@
 """The weights of a native Llama (`llama.LlamaModel`): a Hugging Face-named state dict made into
 one `Layer` of fused linears per decoder layer and the LM head, in the model's dtype on its
-device; what the int8 cache (`int8_cache`) stores of them; and random weights of a config's
+device; what the weight cache (`weight_cache`) stores of them; and random weights of a config's
 shapes.
 
 Q, K and V become one linear, gate and up another, so a layer runs two matmuls where the state
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from smcspec.models import int4, int8_cache
+from smcspec.models import int4, weight_cache
 from smcspec.models.layers import AtenInt4Linear, Int8Linear, Linear, make_linear
 from smcspec.models.llama_config import LlamaConfig
 
@@ -119,7 +119,7 @@ def _group_of(packed: torch.Tensor, scales_zeros: torch.Tensor) -> int:
     return packed.numel() * 2 // scales_zeros.shape[1] // scales_zeros.shape[0]
 
 
-def quantized_entries(lm_head: Linear, layers: list[Layer]) -> list[int8_cache.Entry]:
+def quantized_entries(lm_head: Linear, layers: list[Layer]) -> list[weight_cache.Entry]:
     """Every linear as the weight cache stores it, made when written: int8 (q, scale, bias),
     int4 on smcspec's kernel (q4, scales, bias) or on PyTorch's (packed, scales_zeros, bias)."""
     named = [("lm_head", lm_head)]
@@ -127,7 +127,7 @@ def quantized_entries(lm_head: Linear, layers: list[Layer]) -> list[int8_cache.E
         p = f"model.layers.{i}."
         named += [(p + "self_attn.qkv", layer.qkv), (p + "self_attn.o", layer.o)]
         named += [(p + "mlp.gate_up", layer.gate_up), (p + "mlp.down", layer.down)]
-    entries: list[int8_cache.Entry] = []
+    entries: list[weight_cache.Entry] = []
     for key, linear in named:
         out, inp = linear.out_features, linear.in_features
         if isinstance(linear, int4.Int4Linear):

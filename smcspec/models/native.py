@@ -171,7 +171,7 @@ def pool_pages(models: Sequence[LlamaModel], limits: EngineLimits) -> int:
 
 def page_bytes(model: LlamaModel, page_size: int) -> int:
     """Bytes of one page of `model`'s pool: K and V of `page_size` positions in every layer, in
-    the activations' dtype (int8 weights keep a float32 cache: `int8_cache` holds weights only,
+    the activations' dtype (int8 weights keep a float32 cache: `weight_cache` holds weights only,
     their scales included, and no KV)."""
     c = model.config
     return 2 * c.num_layers * page_size * c.num_kv_heads * c.head_dim * model.act_dtype.itemsize

@@ -1,5 +1,6 @@
-"""The int8 cache: a model is quantized once; later loads read the int8 weights back and give
-the very same logits; a changed source or a half-written cache is never trusted."""
+"""The weight cache (int8 and int4): a model is quantized once; later loads read the quantized
+weights back and give the very same logits; a changed source or a half-written cache is never
+trusted."""
 
 import json
 import os
@@ -8,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from smcspec.models import int4, int8_cache
+from smcspec.models import int4, weight_cache
 from smcspec.models.layers import AtenInt4Linear, int4_kind
 from smcspec.models.llama import LlamaModel
 from tests.conftest import save_tiny_model
@@ -58,7 +59,7 @@ def test_the_first_load_writes_the_cache_and_the_next_reads_it(folder, monkeypat
 def test_weights_are_quantized_from_the_source_not_the_cache(folder):
     """The cache holds what quantizing gives: an int8 model built without it agrees."""
     cold = LlamaModel.from_folder(folder, "int8")
-    cached = int8_cache.load(folder)
+    cached = weight_cache.load(folder)
     assert cached is not None and "model.layers.0.self_attn.qkv.q" in cached
     q, scale = cold.layers[0].qkv.quantized()
     assert torch.equal(cached["model.layers.0.self_attn.qkv.q"], q)
@@ -70,22 +71,22 @@ def test_a_changed_source_rebuilds_the_cache(folder):
     source = folder / "model.safetensors"
     stat = source.stat()
     os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
-    assert int8_cache.load(folder) is None  # the stamp no longer matches
+    assert weight_cache.load(folder) is None  # the stamp no longer matches
     LlamaModel.from_folder(folder, "int8")
-    assert int8_cache.load(folder) is not None
+    assert weight_cache.load(folder) is not None
 
 
 @pytest.fixture
 def hashed(monkeypatch) -> list[str]:
     """The source files the cache reads whole (to take their SHA-256), from now on."""
     seen = []
-    real = int8_cache._sha256
+    real = weight_cache._sha256
 
     def spy(path):
         seen.append(path.name)
         return real(path)
 
-    monkeypatch.setattr(int8_cache, "_sha256", spy)
+    monkeypatch.setattr(weight_cache, "_sha256", spy)
     return seen
 
 
@@ -97,7 +98,7 @@ def test_a_size_change_that_keeps_the_mtime_rebuilds_without_hashing(folder, has
         f.write(bytes(8))
     os.utime(source, ns=(before.st_atime_ns, before.st_mtime_ns))
     hashed.clear()
-    assert int8_cache.load(folder) is None
+    assert weight_cache.load(folder) is None
     assert hashed == [], "a size change is decided from the metadata alone"
 
 
@@ -105,9 +106,9 @@ def test_a_cache_of_another_format_is_rebuilt(folder):
     LlamaModel.from_folder(folder, "int8")
     stamp_file = folder / "smcspec-int8.json"
     saved = json.loads(stamp_file.read_text())
-    for version in (int8_cache.FORMAT - 1, int8_cache.FORMAT + 1):
+    for version in (weight_cache.FORMAT - 1, weight_cache.FORMAT + 1):
         stamp_file.write_text(json.dumps({**saved, "format": version}))
-        assert int8_cache.load(folder) is None, version
+        assert weight_cache.load(folder) is None, version
 
 
 def test_a_same_size_replacement_with_the_same_mtime_is_found_by_its_sha256(
@@ -128,7 +129,7 @@ def test_a_same_size_replacement_with_the_same_mtime_is_found_by_its_sha256(
     assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
     assert after.st_ctime_ns != before.st_ctime_ns
     hashed.clear()
-    assert int8_cache.load(folder) is None
+    assert weight_cache.load(folder) is None
     assert hashed == [source.name]
     replaced = LlamaModel.from_folder(folder, "int8")
     assert torch.equal(logits(replaced), logits(LlamaModel.from_folder(other, "int8")))
@@ -138,13 +139,13 @@ def test_the_same_bytes_in_a_new_file_keep_the_cache_and_are_hashed_once(folder,
     cold = LlamaModel.from_folder(folder, "int8")
     source = folder / "model.safetensors"
     hashed.clear()
-    assert int8_cache.load(folder) is not None
+    assert weight_cache.load(folder) is not None
     assert hashed == [], "a warm load reads no source file whole"
     copy = folder / "copy"
     shutil.copy2(source, copy)
     os.replace(copy, source)  # a new inode: the bytes, size and mtime are the same
-    assert int8_cache.load(folder) is not None
-    assert int8_cache.load(folder) is not None
+    assert weight_cache.load(folder) is not None
+    assert weight_cache.load(folder) is not None
     assert hashed == [source.name], "the stamp takes the new inode after one hash"
     assert torch.equal(logits(LlamaModel.from_folder(folder, "int8")), logits(cold))
 
@@ -152,9 +153,9 @@ def test_the_same_bytes_in_a_new_file_keep_the_cache_and_are_hashed_once(folder,
 def test_a_cache_without_its_stamp_is_ignored(folder):
     LlamaModel.from_folder(folder, "int8")
     (folder / "smcspec-int8.json").unlink()  # as if the write stopped before the stamp
-    assert int8_cache.load(folder) is None
+    assert weight_cache.load(folder) is None
     (folder / "smcspec-int8.json").write_text("{not json")
-    assert int8_cache.load(folder) is None
+    assert weight_cache.load(folder) is None
 
 
 def test_a_read_only_model_folder_caches_under_the_cache_root(folder, tmp_path, monkeypatch):
@@ -166,7 +167,7 @@ def test_a_read_only_model_folder_caches_under_the_cache_root(folder, tmp_path, 
     try:
         cold = LlamaModel.from_folder(folder, "int8")
         assert cache_files(folder) == []
-        where = int8_cache.location(folder)
+        where = weight_cache.location(folder)
         assert where.parent.parent == tmp_path / "cache" / "int8"
         assert where.with_suffix(".safetensors").is_file()
         assert torch.equal(logits(LlamaModel.from_folder(folder, "int8")), logits(cold))
@@ -188,7 +189,9 @@ def test_two_writers_at_once_leave_one_whole_cache(folder):
     int8 = LlamaModel.from_folder(folder, "int8")
     (folder / "smcspec-int8.json").unlink()
     with ThreadPoolExecutor(2) as pool:
-        done = list(pool.map(lambda _: int8_cache.save(folder, int8.quantized_entries()), range(2)))
+        done = list(
+            pool.map(lambda _: weight_cache.save(folder, int8.quantized_entries()), range(2))
+        )
     assert all(path is not None for path in done)
     assert cache_files(folder) == ["smcspec-int8.json", "smcspec-int8.safetensors"]
     assert torch.equal(logits(LlamaModel.from_folder(folder, "int8")), logits(int8))
@@ -201,18 +204,18 @@ def test_int4_weights_have_their_own_cache_read_back_to_the_same_logits(folder, 
     kind = int4_kind()
     names = sorted(p.name for p in folder.iterdir() if p.name.startswith("smcspec-int"))
     assert names == [f"smcspec-{kind}.json", f"smcspec-{kind}.safetensors"]
-    cached = int8_cache.load(folder, kind=kind)
+    cached = weight_cache.load(folder, kind=kind)
     keys = ("q4", "scales") if int4.available() else ("packed", "scales_zeros")
     for key, tensor in zip(keys, cold.layers[0].gate_up.quantized(), strict=True):
         assert torch.equal(cached[f"model.layers.0.mlp.gate_up.{key}"], tensor)
     made = builds_from_cache(monkeypatch)
     warm = LlamaModel.from_folder(folder, "int4")
     assert made == [True] and torch.equal(logits(warm), logits(cold))
-    assert int8_cache.load(folder) is None, "int8 must not read the int4 cache"
+    assert weight_cache.load(folder) is None, "int8 must not read the int4 cache"
     source = folder / "model.safetensors"
     stat = source.stat()
     os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
-    assert int8_cache.load(folder, kind=kind) is None
+    assert weight_cache.load(folder, kind=kind) is None
 
 
 def test_where_the_int4_kernel_does_not_build_its_weights_are_cached_in_pytorchs_layout(
@@ -223,7 +226,7 @@ def test_where_the_int4_kernel_does_not_build_its_weights_are_cached_in_pytorchs
     assert int4_kind() == "int4-g32"
     cold = LlamaModel.from_folder(folder, "int4")
     assert isinstance(cold.layers[0].gate_up, AtenInt4Linear)
-    assert int8_cache.load(folder, kind="int4-g32") is not None
+    assert weight_cache.load(folder, kind="int4-g32") is not None
     warm = LlamaModel.from_folder(folder, "int4")
     assert torch.equal(logits(warm), logits(cold))
     assert (logits(cold) - logits(built)).abs().max() < 0.05 * logits(built).abs().max()

@@ -10,12 +10,13 @@ one is never quantized.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from smcspec.models import int4, weight_cache
 from smcspec.models.layers import AtenInt4Linear, Int8Linear, Linear, make_linear
@@ -61,7 +62,14 @@ class WeightBuilder:
         with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
             lm_head = pool.submit(self.linear, w, "lm_head", [head], keep=c.tie_embeddings)
             names = [f"model.layers.{i}." for i in range(c.num_layers)]
-            layers = list(pool.map(lambda p: self.layer(w, p), names))
+            cold = self.quantized is None and self.dtype in ("int8", "int4")
+            bar = tqdm(  # shown on a terminal only
+                total=len(names),
+                desc=f"quantizing to {self.dtype}",
+                disable=not cold or None,
+            )
+            with bar:
+                layers = list(bar_map(pool, lambda p: self.layer(w, p), names, bar))
             return layers, lm_head.result()
 
     def layer(self, w: Mapping[str, torch.Tensor], p: str) -> Layer:
@@ -111,6 +119,13 @@ class WeightBuilder:
         weight = parts[0] if len(parts) == 1 else torch.cat(parts)
         bias = torch.cat([w.pop(n) for n in biases]) if biases else None
         return make_linear(weight, bias, self.dtype, self.device)
+
+
+def bar_map(pool: ThreadPoolExecutor, fn, items: list, bar) -> Iterator:
+    """pool.map(fn, items), moving `bar` on as each result is taken, in order."""
+    for result in pool.map(fn, items):
+        bar.update(1)
+        yield result
 
 
 def _group_of(packed: torch.Tensor, scales_zeros: torch.Tensor) -> int:

@@ -96,29 +96,35 @@ class WeightBuilder:
         biases: list[str] | None = None,
         keep: bool = False,
     ) -> Linear:
-        """The linear layer `key` over the concatenated `weights` (and `biases`): from the int8
+        """The linear layer `key` over the concatenated `weights` (and `biases`): from the weight
         cache when it holds it, else made from the float weights (taken out of `w` unless
         `keep`)."""
         cached = self.quantized
-        if cached is not None and f"{key}.q" in cached:
-            bias = cached.pop(f"{key}.bias") if f"{key}.bias" in cached else None
-            q, scale = cached.pop(f"{key}.q"), cached.pop(f"{key}.scale")
-            return Int8Linear.from_quantized(q, scale, bias)
-        if cached is not None and f"{key}.packed" in cached:
-            bias = cached.pop(f"{key}.bias") if f"{key}.bias" in cached else None
-            packed, sz = cached.pop(f"{key}.packed"), cached.pop(f"{key}.scales_zeros")
-            group = _group_of(packed, sz)
-            return AtenInt4Linear.from_quantized(packed, sz, bias, group, group * sz.shape[0])
-        if cached is not None and f"{key}.q4" in cached:
-            bias = cached.pop(f"{key}.bias") if f"{key}.bias" in cached else None
-            return int4.Int4Linear.from_quantized(
-                cached.pop(f"{key}.q4"), cached.pop(f"{key}.scales"), bias
-            )
+        made = None if cached is None else _from_cache(cached, key)
+        if made is not None:
+            return made
         take = w.__getitem__ if keep else w.pop
         parts = [take(n) for n in weights]
         weight = parts[0] if len(parts) == 1 else torch.cat(parts)
         bias = torch.cat([w.pop(n) for n in biases]) if biases else None
         return make_linear(weight, bias, self.dtype, self.device)
+
+
+def _from_cache(cached: Mapping[str, torch.Tensor], key: str) -> Linear | None:
+    """The linear `key` out of the weight cache (its tensors popped), in whichever of the cached
+    formats it was stored, or None when the cache does not hold it."""
+    if not any(f"{key}.{first}" in cached for first in ("q", "packed", "q4")):
+        return None
+    bias = cached.pop(f"{key}.bias") if f"{key}.bias" in cached else None
+    if f"{key}.q" in cached:
+        return Int8Linear.from_quantized(cached.pop(f"{key}.q"), cached.pop(f"{key}.scale"), bias)
+    if f"{key}.q4" in cached:
+        return int4.Int4Linear.from_quantized(
+            cached.pop(f"{key}.q4"), cached.pop(f"{key}.scales"), bias
+        )
+    packed, sz = cached.pop(f"{key}.packed"), cached.pop(f"{key}.scales_zeros")
+    group = _group_of(packed, sz)
+    return AtenInt4Linear.from_quantized(packed, sz, bias, group, group * sz.shape[0])
 
 
 def bar_map(pool: ThreadPoolExecutor, fn, items: list, bar) -> Iterator:

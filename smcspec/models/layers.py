@@ -1,5 +1,6 @@
 """Linear layers of the native model: a plain floating-point reference and the int8 and int4 fast
-paths (int4 runs on smcspec's own kernel, `int4.Int4Linear`, where it builds).
+paths. Both run on smcspec's own kernel (`cpu_linear.PackedLinear`) where it builds; where it does
+not, int8 runs on fbgemm (`Int8Linear`) and int4 on PyTorch's kernel (`AtenInt4Linear`).
 
 `Int8Linear` stores weights as symmetric int8 with one scale per output channel and runs through
 fbgemm's dynamic quantized linear, which quantizes the activations on the fly with one scale per
@@ -15,7 +16,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from smcspec.models import int4
+from smcspec.models import cpu_linear
 
 _LINEAR_INT8 = torch.ops.quantized.linear_dynamic.default  # the overload itself: less dispatch
 # torch calls its quantized tensors deprecated, once per process, from whichever thread packs
@@ -86,22 +87,12 @@ class Int8Linear:
         return y if self.bias is None else y.add_(self.bias)
 
     def banded(self, x: torch.Tensor) -> torch.Tensor:
-        """One row x [1, in] with a huge dynamic range (the attention sink): split it by
-        magnitude into rows whose entries lie within a factor 2 of each other (entries below
-        2^-12 of the peak share the last row) and run those rows through the int8 kernel, each at
-        its own scale; the sum is W x with every entry quantized to within 2/255 of itself, at
-        the cost of one batched call."""
-        x = x.reshape(1, -1).float()
-        mag = x[0].abs()
-        peak = float(mag.max())
-        if peak == 0.0:
-            y = torch.zeros(1, self.out_features)
-        else:
-            band = torch.floor(torch.log2(mag.clamp_min(peak * 2.0**-12) / peak)).clamp_(min=-12)
-            levels = torch.unique(band[mag > 0])  # [n_bands]
-            rows = torch.where(band[None, :] == levels[:, None], x, 0.0)  # [n_bands, in]
-            scale = rows.abs().amax(dim=-1, keepdim=True)  # [n_bands, 1]
-            y = (_LINEAR_INT8(rows / scale, self.packed, self.reduce_range) * scale).sum(0, True)
+        """One row x [1, in] with a huge dynamic range (the attention sink): split by magnitude
+        (`cpu_linear.magnitude_bands`) into rows run through the int8 kernel at once, each at
+        its own scale; the sum is W x with every entry quantized to within 2/255 of itself."""
+        rows = cpu_linear.magnitude_bands(x)  # [bands, in]
+        scale = rows.abs().amax(dim=-1, keepdim=True).clamp_min_(1e-30)  # [bands, 1]
+        y = (_LINEAR_INT8(rows / scale, self.packed, self.reduce_range) * scale).sum(0, True)
         return y if self.bias is None else y + self.bias
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
@@ -119,8 +110,8 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class AtenInt4Linear:
-    """Weight-only int4 per group (the fallback where smcspec's kernel, `int4.Int4Linear`, cannot
-    be built): W[n, k] ~= (Q[n, k] - 8) * scale[g, n] + zero[g, n] for the
+    """Weight-only int4 per group (the fallback where smcspec's kernel, `cpu_linear.PackedLinear`,
+    cannot be built): W[n, k] ~= (Q[n, k] - 8) * scale[g, n] + zero[g, n] for the
     group g = k // group of inputs, Q in [0, 15], two to a byte in the layout of PyTorch's CPU
     kernel (`aten._weight_int4pack_mm_for_cpu`), which multiplies bf16 activations by it. The
     activations are not quantized, so no row needs a band of its own (`banded` is the call).
@@ -193,13 +184,18 @@ def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
 
 
 INT4_GROUP = 32  # the int4 weights' group size (see docs/benchmarks.md, "int4 on the CPU")
-Linear = DenseLinear | Int8Linear | AtenInt4Linear | int4.Int4Linear
+INT8_GROUP = 32  # the int8 weights' group size on smcspec's kernel (docs/benchmarks.md)
+Linear = DenseLinear | Int8Linear | AtenInt4Linear | cpu_linear.PackedLinear
 
 
-def int4_kind() -> str:
-    """The weight cache's kind for int4 weights on this machine: smcspec's kernel packs them
-    in blocks of 16 outputs, PyTorch's in its own layout."""
-    return f"int4-b16-g{INT4_GROUP}" if int4.available() else f"int4-g{INT4_GROUP}"
+def cache_kind(dtype: str) -> str:
+    """The weight cache's kind for `dtype` ("int8" or "int4") weights on this machine: smcspec's
+    kernel packs them in blocks of 16 outputs; fbgemm's int8 and PyTorch's int4 are stored in
+    their own formats."""
+    ours = cpu_linear.available()
+    if dtype == "int8":
+        return f"int8-b16-g{INT8_GROUP}" if ours else "int8"
+    return f"int4-b16-g{INT4_GROUP}" if ours else f"int4-g{INT4_GROUP}"
 
 
 def make_linear(
@@ -208,13 +204,12 @@ def make_linear(
     dtype: str,
     device: str | torch.device = "cpu",
 ) -> Linear:
-    if dtype == "int8":
-        return Int8Linear(weight, bias)
-    if dtype == "int4":
-        if not int4.available():
-            return AtenInt4Linear(weight, bias, INT4_GROUP)
-        if weight.shape[0] % int4.LANES or weight.shape[1] % INT4_GROUP:
+    if dtype in ("int8", "int4"):
+        bits, group = (8, INT8_GROUP) if dtype == "int8" else (4, INT4_GROUP)
+        if not cpu_linear.available():
+            return Int8Linear(weight, bias) if bits == 8 else AtenInt4Linear(weight, bias, group)
+        if weight.shape[0] % cpu_linear.LANES or weight.shape[1] % group:
             return Int8Linear(weight, bias)  # a shape the kernel's blocks do not tile
-        return int4.Int4Linear(weight, bias, INT4_GROUP)
+        return cpu_linear.PackedLinear(weight, bias, bits, group)
     dt = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     return DenseLinear(weight.to(device, dt), None if bias is None else bias.to(device, dt))

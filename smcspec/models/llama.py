@@ -25,7 +25,7 @@ from smcspec.models.attention import ForwardBatch, GatherAttention, GatherPlan, 
 from smcspec.models.attention import choose as choose_attention
 from smcspec.models.fused import rms_reference as _rms
 from smcspec.models.fused import rotate_reference as _rotate
-from smcspec.models.layers import int4_kind
+from smcspec.models.layers import cache_kind
 from smcspec.models.llama_config import LlamaConfig
 from smcspec.models.llama_weights import (
     Layer,
@@ -50,8 +50,8 @@ PREFILL_CHUNK = 2048
 
 class LlamaModel:
     """Weights in `dtype`: "float32", "bfloat16", "int8" or "int4" (weights only: activations,
-    norms, embeddings and the KV cache stay float32; see `layers.Int8Linear`, `int4.Int4Linear`), on
-    `device`.
+    norms, embeddings and the KV cache stay float32; see `layers.Int8Linear`,
+    `cpu_linear.PackedLinear`), on `device`.
 
     Every tensor of a forward is made on the model's device: the host plans the batch (page
     tables, slots, positions: `plan`) and moves it in a few copies; `hidden` and `logits` then
@@ -106,7 +106,7 @@ class LlamaModel:
         folder = Path(folder)
         config = LlamaConfig.read(folder)
         if dtype in QUANTIZED:  # quantized once, then read from the weight cache
-            kind = "int8" if dtype == "int8" else int4_kind()
+            kind = cache_kind(dtype)
             cached = weight_cache.load(folder, kind=kind)
             lazy = weight_cache.LazyWeights(weight_cache.source_files(folder))
             model = cls(config, lazy, dtype, device, quantized=cached, **kw)

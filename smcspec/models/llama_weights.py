@@ -4,8 +4,8 @@ device; what the weight cache (`weight_cache`) stores of them; and random weight
 shapes.
 
 Q, K and V become one linear, gate and up another, so a layer runs two matmuls where the state
-dict names five. With int8 weights, a linear the cache holds is packed from it and the float
-one is never quantized.
+dict names five. With quantized weights, a linear the cache holds is taken from it and the
+float one is never quantized.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from smcspec.models import int4, weight_cache
+from smcspec.models import cpu_linear, weight_cache
 from smcspec.models.layers import AtenInt4Linear, Int8Linear, Linear, make_linear
 from smcspec.models.llama_config import LlamaConfig
 
@@ -35,7 +35,7 @@ class Layer:
 
 class WeightBuilder:
     """Makes the model's tensors (in `act_dtype`) and linears (in `dtype`) on `device`, taking
-    each linear from `quantized` (cached int8 linears, popped as they are used) when it holds
+    each linear from `quantized` (cached quantized linears, popped as they are used) when it holds
     it."""
 
     def __init__(
@@ -113,15 +113,15 @@ class WeightBuilder:
 def _from_cache(cached: Mapping[str, torch.Tensor], key: str) -> Linear | None:
     """The linear `key` out of the weight cache (its tensors popped), in whichever of the cached
     formats it was stored, or None when the cache does not hold it."""
-    if not any(f"{key}.{first}" in cached for first in ("q", "packed", "q4")):
+    if not any(f"{key}.{first}" in cached for first in ("q", "packed", "q4", "q8")):
         return None
     bias = cached.pop(f"{key}.bias") if f"{key}.bias" in cached else None
     if f"{key}.q" in cached:
         return Int8Linear.from_quantized(cached.pop(f"{key}.q"), cached.pop(f"{key}.scale"), bias)
-    if f"{key}.q4" in cached:
-        return int4.Int4Linear.from_quantized(
-            cached.pop(f"{key}.q4"), cached.pop(f"{key}.scales"), bias
-        )
+    for bits in (4, 8):
+        if f"{key}.q{bits}" in cached:
+            packed, scales = cached.pop(f"{key}.q{bits}"), cached.pop(f"{key}.scales")
+            return cpu_linear.PackedLinear.from_quantized(packed, scales, bias, bits)
     packed, sz = cached.pop(f"{key}.packed"), cached.pop(f"{key}.scales_zeros")
     group = _group_of(packed, sz)
     return AtenInt4Linear.from_quantized(packed, sz, bias, group, group * sz.shape[0])
@@ -141,8 +141,9 @@ def _group_of(packed: torch.Tensor, scales_zeros: torch.Tensor) -> int:
 
 
 def quantized_entries(lm_head: Linear, layers: list[Layer]) -> list[weight_cache.Entry]:
-    """Every linear as the weight cache stores it, made when written: int8 (q, scale, bias),
-    int4 on smcspec's kernel (q4, scales, bias) or on PyTorch's (packed, scales_zeros, bias)."""
+    """Every linear as the weight cache stores it, made when written: int4 or int8 on smcspec's
+    kernel (q4 or q8, scales, bias), int8 on fbgemm (q, scale, bias) or int4 on PyTorch's kernel
+    (packed, scales_zeros, bias)."""
     named = [("lm_head", lm_head)]
     for i, layer in enumerate(layers):
         p = f"model.layers.{i}."
@@ -151,10 +152,10 @@ def quantized_entries(lm_head: Linear, layers: list[Layer]) -> list[weight_cache
     entries: list[weight_cache.Entry] = []
     for key, linear in named:
         out, inp = linear.out_features, linear.in_features
-        if isinstance(linear, int4.Int4Linear):
-            q4, sl = linear.quantized()
+        if isinstance(linear, cpu_linear.PackedLinear):
+            packed, sl = linear.quantized()
             shapes = {
-                "q4": (torch.uint8, tuple(q4.shape)),
+                f"q{linear.bits}": (torch.uint8, tuple(packed.shape)),
                 "scales": (torch.float16, tuple(sl.shape)),
             }
         elif isinstance(linear, AtenInt4Linear):

@@ -1,15 +1,15 @@
 """Quantized weights kept on disk, so that a model is quantized once, not at every load.
 
 The cache holds every linear layer of the native model as quantized, one cache per `kind`:
-"int8" (`layers.Int8Linear`: the int8 matrix `<name>.q` [out, in] and its per-channel scales
-`<name>.scale` [out]), "int4-b16-g<group>" (`int4.Int4Linear`, smcspec's kernel: `<name>.q4`
-[out / 16, in / 8, 64] and `<name>.scales` float16 [out / 16, in / group, 2, 16]) or
-"int4-g<group>" (`layers.AtenInt4Linear`, PyTorch's kernel: `<name>.packed` and
-`<name>.scales_zeros` [in / group, out, 2]); the norms and embeddings stay in
-the source, which is read lazily. It is a safetensors file, written layer
-by layer, next to the source weights (or, where that folder is read-only, under the smcspec
-cache), with a stamp naming the cache format and, for each source file, its name, size,
-modification time, inode, change time and SHA-256.
+"int4-b16-g<group>" and "int8-b16-g<group>" (`cpu_linear.PackedLinear`, smcspec's kernel:
+`<name>.q4` [out / 16, in / 8, 64] or `<name>.q8` [out / 16, in / 4, 64], and `<name>.scales`
+float16 [out / 16, in / group, 2, 16]), "int8" (`layers.Int8Linear`, fbgemm: the int8 matrix
+`<name>.q` [out, in] and its per-channel scales `<name>.scale` [out]) or "int4-g<group>"
+(`layers.AtenInt4Linear`, PyTorch's kernel: `<name>.packed` and `<name>.scales_zeros`
+[in / group, out, 2]); the norms and embeddings stay in the source, which is read lazily. It
+is a safetensors file, written layer by layer, next to the source weights (or, where that
+folder is read-only, under the smcspec cache), with a stamp naming the cache format and, for
+each source file, its name, size, modification time, inode, change time and SHA-256.
 
 When the cache is trusted: hashing the source at every load would cost seconds per GB, so a
 load reads only the files' metadata, and hashes only when the metadata cannot decide.
@@ -24,8 +24,8 @@ load reads only the files' metadata, and hashes only when the metadata cannot de
 - Everything matches: the cache is read, with nothing hashed.
 
 Cold (no cache): the float weights are read tensor by tensor and quantized layer by layer, so at
-most one layer's float copy is held beside the int8 ones; the cache is then written. Warm: the
-int8 tensors are read one linear at a time and packed.
+most one layer's float copy is held beside the quantized ones; the cache is then written. Warm:
+the quantized tensors are memory-mapped, and only fbgemm's int8 is packed again.
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def _fields(s: dict, names: tuple[str, ...]) -> list[tuple]:
     return [tuple(e.get(n) for n in names) for e in s.get("files", [])]
 
 
-def location(spec: Path, cache_root: Path | None = None, kind: str = "int8") -> Path:
+def location(spec: Path, kind: str, cache_root: Path | None = None) -> Path:
     """Where the `kind` cache of `spec` lives: beside it when that folder is writable, else
     under `cache_root` (default: $SMCSPEC_CACHE or ~/.cache/smcspec) in <kind>/<hash of its
     path>."""
@@ -145,10 +145,10 @@ def location(spec: Path, cache_root: Path | None = None, kind: str = "int8") -> 
     return defaults.cache_root(cache_root) / kind / key / name
 
 
-def load(spec: Path, cache_root: Path | None = None, kind: str = "int8") -> LazyWeights | None:
+def load(spec: Path, kind: str, cache_root: Path | None = None) -> LazyWeights | None:
     """The cached `kind` tensors of `spec` (lazily read), or None when there is no valid
     cache."""
-    where = location(spec, cache_root, kind)
+    where = location(spec, kind, cache_root)
     tensors, stamp_file = where.with_suffix(".safetensors"), where.with_suffix(".json")
     if not (tensors.is_file() and stamp_file.is_file()):
         return None
@@ -169,11 +169,11 @@ def load(spec: Path, cache_root: Path | None = None, kind: str = "int8") -> Lazy
 
 
 def save(
-    spec: Path, tensors: list[Entry], cache_root: Path | None = None, kind: str = "int8"
+    spec: Path, tensors: list[Entry], kind: str, cache_root: Path | None = None
 ) -> Path | None:
     """Write the `kind` tensors of `spec` and then its stamp; a half-written cache never has a
     stamp, so it is never read. Returns the file, or None when nowhere is writable."""
-    where = location(spec, cache_root, kind)
+    where = location(spec, kind, cache_root)
     try:
         where.parent.mkdir(parents=True, exist_ok=True)
         target = where.with_suffix(".safetensors")

@@ -2,6 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from smcspec.models import cpu_linear
 from smcspec.models.layers import DenseLinear, Int8Linear, make_linear
 from smcspec.models.loader import resolve_dtype
 
@@ -50,7 +51,8 @@ def test_activation_scale_is_per_row(weight):
 
 def test_make_linear_and_dtypes(weight):
     w, b = weight
-    assert isinstance(make_linear(w, b, "int8"), Int8Linear)
+    int8 = cpu_linear.PackedLinear if cpu_linear.available() else Int8Linear
+    assert isinstance(make_linear(w, b, "int8"), int8)
     dense = make_linear(w, b, "bfloat16")
     assert isinstance(dense, DenseLinear) and dense.weight.dtype == torch.bfloat16
     assert resolve_dtype("auto", "cpu") == "int8"

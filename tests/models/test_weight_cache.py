@@ -9,12 +9,13 @@ import shutil
 import pytest
 import torch
 
-from smcspec.models import int4, weight_cache
-from smcspec.models.layers import AtenInt4Linear, int4_kind
+from smcspec.models import cpu_linear, weight_cache
+from smcspec.models.layers import AtenInt4Linear, Int8Linear, cache_kind
 from smcspec.models.llama import LlamaModel
 from tests.conftest import save_tiny_model
 
 IDS = [5, 9, 3, 17, 4, 40, 2]
+INT8 = cache_kind("int8")  # "int8-b16-g128" on smcspec's kernel, "int8" on fbgemm
 
 
 @pytest.fixture
@@ -49,7 +50,7 @@ def builds_from_cache(monkeypatch) -> list[bool]:
 
 def test_the_first_load_writes_the_cache_and_the_next_reads_it(folder, monkeypatch):
     cold = LlamaModel.from_folder(folder, "int8")
-    assert cache_files(folder) == ["smcspec-int8.json", "smcspec-int8.safetensors"]
+    assert cache_files(folder) == [f"smcspec-{INT8}.json", f"smcspec-{INT8}.safetensors"]
     made = builds_from_cache(monkeypatch)
     warm = LlamaModel.from_folder(folder, "int8")
     assert made == [True]  # built from the cache, not quantized again
@@ -59,11 +60,11 @@ def test_the_first_load_writes_the_cache_and_the_next_reads_it(folder, monkeypat
 def test_weights_are_quantized_from_the_source_not_the_cache(folder):
     """The cache holds what quantizing gives: an int8 model built without it agrees."""
     cold = LlamaModel.from_folder(folder, "int8")
-    cached = weight_cache.load(folder)
-    assert cached is not None and "model.layers.0.self_attn.qkv.q" in cached
-    q, scale = cold.layers[0].qkv.quantized()
-    assert torch.equal(cached["model.layers.0.self_attn.qkv.q"], q)
-    assert torch.equal(cached["model.layers.0.self_attn.qkv.scale"], scale)
+    cached = weight_cache.load(folder, INT8)
+    keys = ("q8", "scales") if cpu_linear.available() else ("q", "scale")
+    assert cached is not None and f"model.layers.0.self_attn.qkv.{keys[0]}" in cached
+    for key, tensor in zip(keys, cold.layers[0].qkv.quantized(), strict=True):
+        assert torch.equal(cached[f"model.layers.0.self_attn.qkv.{key}"], tensor)
 
 
 def test_a_changed_source_rebuilds_the_cache(folder):
@@ -71,9 +72,9 @@ def test_a_changed_source_rebuilds_the_cache(folder):
     source = folder / "model.safetensors"
     stat = source.stat()
     os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
-    assert weight_cache.load(folder) is None  # the stamp no longer matches
+    assert weight_cache.load(folder, INT8) is None  # the stamp no longer matches
     LlamaModel.from_folder(folder, "int8")
-    assert weight_cache.load(folder) is not None
+    assert weight_cache.load(folder, INT8) is not None
 
 
 @pytest.fixture
@@ -98,17 +99,17 @@ def test_a_size_change_that_keeps_the_mtime_rebuilds_without_hashing(folder, has
         f.write(bytes(8))
     os.utime(source, ns=(before.st_atime_ns, before.st_mtime_ns))
     hashed.clear()
-    assert weight_cache.load(folder) is None
+    assert weight_cache.load(folder, INT8) is None
     assert hashed == [], "a size change is decided from the metadata alone"
 
 
 def test_a_cache_of_another_format_is_rebuilt(folder):
     LlamaModel.from_folder(folder, "int8")
-    stamp_file = folder / "smcspec-int8.json"
+    stamp_file = folder / f"smcspec-{INT8}.json"
     saved = json.loads(stamp_file.read_text())
     for version in (weight_cache.FORMAT - 1, weight_cache.FORMAT + 1):
         stamp_file.write_text(json.dumps({**saved, "format": version}))
-        assert weight_cache.load(folder) is None, version
+        assert weight_cache.load(folder, INT8) is None, version
 
 
 def test_a_same_size_replacement_with_the_same_mtime_is_found_by_its_sha256(
@@ -129,7 +130,7 @@ def test_a_same_size_replacement_with_the_same_mtime_is_found_by_its_sha256(
     assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
     assert after.st_ctime_ns != before.st_ctime_ns
     hashed.clear()
-    assert weight_cache.load(folder) is None
+    assert weight_cache.load(folder, INT8) is None
     assert hashed == [source.name]
     replaced = LlamaModel.from_folder(folder, "int8")
     assert torch.equal(logits(replaced), logits(LlamaModel.from_folder(other, "int8")))
@@ -139,23 +140,23 @@ def test_the_same_bytes_in_a_new_file_keep_the_cache_and_are_hashed_once(folder,
     cold = LlamaModel.from_folder(folder, "int8")
     source = folder / "model.safetensors"
     hashed.clear()
-    assert weight_cache.load(folder) is not None
+    assert weight_cache.load(folder, INT8) is not None
     assert hashed == [], "a warm load reads no source file whole"
     copy = folder / "copy"
     shutil.copy2(source, copy)
     os.replace(copy, source)  # a new inode: the bytes, size and mtime are the same
-    assert weight_cache.load(folder) is not None
-    assert weight_cache.load(folder) is not None
+    assert weight_cache.load(folder, INT8) is not None
+    assert weight_cache.load(folder, INT8) is not None
     assert hashed == [source.name], "the stamp takes the new inode after one hash"
     assert torch.equal(logits(LlamaModel.from_folder(folder, "int8")), logits(cold))
 
 
 def test_a_cache_without_its_stamp_is_ignored(folder):
     LlamaModel.from_folder(folder, "int8")
-    (folder / "smcspec-int8.json").unlink()  # as if the write stopped before the stamp
-    assert weight_cache.load(folder) is None
-    (folder / "smcspec-int8.json").write_text("{not json")
-    assert weight_cache.load(folder) is None
+    (folder / f"smcspec-{INT8}.json").unlink()  # as if the write stopped before the stamp
+    assert weight_cache.load(folder, INT8) is None
+    (folder / f"smcspec-{INT8}.json").write_text("{not json")
+    assert weight_cache.load(folder, INT8) is None
 
 
 def test_a_read_only_model_folder_caches_under_the_cache_root(folder, tmp_path, monkeypatch):
@@ -167,8 +168,8 @@ def test_a_read_only_model_folder_caches_under_the_cache_root(folder, tmp_path, 
     try:
         cold = LlamaModel.from_folder(folder, "int8")
         assert cache_files(folder) == []
-        where = weight_cache.location(folder)
-        assert where.parent.parent == tmp_path / "cache" / "int8"
+        where = weight_cache.location(folder, INT8)
+        assert where.parent.parent == tmp_path / "cache" / INT8
         assert where.with_suffix(".safetensors").is_file()
         assert torch.equal(logits(LlamaModel.from_folder(folder, "int8")), logits(cold))
     finally:
@@ -187,13 +188,13 @@ def test_two_writers_at_once_leave_one_whole_cache(folder):
     from concurrent.futures import ThreadPoolExecutor
 
     int8 = LlamaModel.from_folder(folder, "int8")
-    (folder / "smcspec-int8.json").unlink()
+    (folder / f"smcspec-{INT8}.json").unlink()
     with ThreadPoolExecutor(2) as pool:
         done = list(
-            pool.map(lambda _: weight_cache.save(folder, int8.quantized_entries()), range(2))
+            pool.map(lambda _: weight_cache.save(folder, int8.quantized_entries(), INT8), range(2))
         )
     assert all(path is not None for path in done)
-    assert cache_files(folder) == ["smcspec-int8.json", "smcspec-int8.safetensors"]
+    assert cache_files(folder) == [f"smcspec-{INT8}.json", f"smcspec-{INT8}.safetensors"]
     assert torch.equal(logits(LlamaModel.from_folder(folder, "int8")), logits(int8))
 
 
@@ -201,33 +202,36 @@ def test_int4_weights_have_their_own_cache_read_back_to_the_same_logits(folder, 
     """int4 (group 32) is cached apart from int8, holds the kernel's packed tensors, and a warm
     load gives the cold load's logits exactly; a changed source rebuilds it."""
     cold = LlamaModel.from_folder(folder, "int4")
-    kind = int4_kind()
+    kind = cache_kind("int4")
     names = sorted(p.name for p in folder.iterdir() if p.name.startswith("smcspec-int"))
     assert names == [f"smcspec-{kind}.json", f"smcspec-{kind}.safetensors"]
     cached = weight_cache.load(folder, kind=kind)
-    keys = ("q4", "scales") if int4.available() else ("packed", "scales_zeros")
+    keys = ("q4", "scales") if cpu_linear.available() else ("packed", "scales_zeros")
     for key, tensor in zip(keys, cold.layers[0].gate_up.quantized(), strict=True):
         assert torch.equal(cached[f"model.layers.0.mlp.gate_up.{key}"], tensor)
     made = builds_from_cache(monkeypatch)
     warm = LlamaModel.from_folder(folder, "int4")
     assert made == [True] and torch.equal(logits(warm), logits(cold))
-    assert weight_cache.load(folder) is None, "int8 must not read the int4 cache"
+    assert weight_cache.load(folder, INT8) is None, "int8 must not read the int4 cache"
     source = folder / "model.safetensors"
     stat = source.stat()
     os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     assert weight_cache.load(folder, kind=kind) is None
 
 
-def test_where_the_int4_kernel_does_not_build_its_weights_are_cached_in_pytorchs_layout(
-    folder, monkeypatch
+@pytest.mark.parametrize(
+    "dtype, kind, linear", [("int4", "int4-g32", AtenInt4Linear), ("int8", "int8", Int8Linear)]
+)
+def test_where_the_kernel_does_not_build_weights_are_cached_in_the_fallbacks_format(
+    folder, monkeypatch, dtype, kind, linear
 ):
-    built = LlamaModel.from_folder(folder, "int4")
-    monkeypatch.setattr(int4.KERNEL, "get", lambda: None)
-    assert int4_kind() == "int4-g32"
-    cold = LlamaModel.from_folder(folder, "int4")
-    assert isinstance(cold.layers[0].gate_up, AtenInt4Linear)
-    assert weight_cache.load(folder, kind="int4-g32") is not None
-    warm = LlamaModel.from_folder(folder, "int4")
+    built = LlamaModel.from_folder(folder, dtype)
+    monkeypatch.setattr(cpu_linear.KERNEL, "get", lambda: None)
+    assert cache_kind(dtype) == kind
+    cold = LlamaModel.from_folder(folder, dtype)
+    assert isinstance(cold.layers[0].gate_up, linear)
+    assert weight_cache.load(folder, kind=kind) is not None
+    warm = LlamaModel.from_folder(folder, dtype)
     assert torch.equal(logits(warm), logits(cold))
     assert (logits(cold) - logits(built)).abs().max() < 0.05 * logits(built).abs().max()
 

@@ -1,6 +1,7 @@
 """Linear layers of the native model: a plain floating-point reference and the int8 and int4 fast
-paths. Both run on smcspec's own kernel (`cpu_linear.PackedLinear`) where it builds; where it does
-not, int8 runs on fbgemm (`Int8Linear`) and int4 on PyTorch's kernel (`AtenInt4Linear`).
+paths. Both run on smcspec's own kernel (`cpu_linear.PackedLinear`) where it builds (int8 where
+it has AVX-512 VNNI, `cpu_linear.runs_int8`); elsewhere int8 runs on fbgemm (`Int8Linear`) and
+int4 on PyTorch's kernel (`AtenInt4Linear`).
 
 `Int8Linear` stores weights as symmetric int8 with one scale per output channel and runs through
 fbgemm's dynamic quantized linear, which quantizes the activations on the fly with one scale per
@@ -192,10 +193,9 @@ def cache_kind(dtype: str) -> str:
     """The weight cache's kind for `dtype` ("int8" or "int4") weights on this machine: smcspec's
     kernel packs them in blocks of 16 outputs; fbgemm's int8 and PyTorch's int4 are stored in
     their own formats."""
-    ours = cpu_linear.available()
     if dtype == "int8":
-        return f"int8-b16-g{INT8_GROUP}" if ours else "int8"
-    return f"int4-b16-g{INT4_GROUP}" if ours else f"int4-g{INT4_GROUP}"
+        return f"int8-b16-g{INT8_GROUP}" if cpu_linear.runs_int8() else "int8"
+    return f"int4-b16-g{INT4_GROUP}" if cpu_linear.available() else f"int4-g{INT4_GROUP}"
 
 
 def make_linear(
@@ -204,10 +204,12 @@ def make_linear(
     dtype: str,
     device: str | torch.device = "cpu",
 ) -> Linear:
+    if dtype == "int8" and not cpu_linear.runs_int8():
+        return Int8Linear(weight, bias)
     if dtype in ("int8", "int4"):
         bits, group = (8, INT8_GROUP) if dtype == "int8" else (4, INT4_GROUP)
         if not cpu_linear.available():
-            return Int8Linear(weight, bias) if bits == 8 else AtenInt4Linear(weight, bias, group)
+            return AtenInt4Linear(weight, bias, group)
         if weight.shape[0] % cpu_linear.LANES or weight.shape[1] % group:
             return Int8Linear(weight, bias)  # a shape the kernel's blocks do not tile
         return cpu_linear.PackedLinear(weight, bias, bits, group)

@@ -137,6 +137,8 @@ def test_a_bad_group_size_is_refused_naming_it(bits, group, inputs):
 
 @pytest.mark.parametrize("dtype, bits", [("int4", 4), ("int8", 8)])
 def test_a_matrix_the_blocks_do_not_tile_falls_back_to_fbgemm_int8(dtype, bits):
+    if dtype == "int8" and not cpu_linear.runs_int8():
+        pytest.skip("int8 runs on fbgemm on this CPU (no AVX-512 VNNI)")
     with pytest.raises(ValueError, match="blocks of 16, got 40"):
         cpu_linear.quantize(torch.randn(40, 128), bits, 32)
     assert isinstance(make_linear(torch.randn(40, 128), None, dtype), Int8Linear)
@@ -162,6 +164,20 @@ def test_where_the_kernel_cannot_be_built_it_says_so_once_and_falls_back(monkeyp
     assert isinstance(make_linear(torch.randn(48, 128), None, "int8"), Int8Linear)
 
 
+@pytest.mark.parametrize("isa, int8", [("avx512-vnni", PackedLinear), ("avx2", Int8Linear)])
+def test_int8_runs_on_the_kernel_only_where_it_has_vnni(monkeypatch, isa, int8):
+    class Built:
+        linear = staticmethod(lambda *args: None)
+
+        @staticmethod
+        def isa():
+            return isa
+
+    monkeypatch.setattr(cpu_linear.KERNEL, "get", lambda: Built)
+    assert isinstance(make_linear(torch.randn(48, 128), None, "int8"), int8)
+    assert isinstance(make_linear(torch.randn(48, 128), None, "int4"), PackedLinear)
+
+
 @BITS
 def test_a_banded_row_keeps_every_entry_within_its_own_rounding(bits):
     """A sink-like row (two entries hundreds of times the rest): split by magnitude, each entry
@@ -178,3 +194,15 @@ def test_a_banded_row_keeps_every_entry_within_its_own_rounding(bits):
     assert ((linear.banded(x)[0] - ref).abs() <= bound + 1e-4).all()
     assert ((linear(x)[0] - ref).abs() > bound).any()
     assert torch.equal(linear.banded(torch.zeros(1, 64)), torch.ones(1, 96))
+
+
+def test_smcspec_cpu_kernel_off_runs_the_fallbacks_without_building(monkeypatch):
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: pytest.fail("built"))
+    monkeypatch.setenv("SMCSPEC_CPU_KERNEL", "off")
+    kernel = cpu_linear._Kernel()
+    assert kernel.get() is None
+    monkeypatch.setattr(cpu_linear, "KERNEL", kernel)
+    assert isinstance(make_linear(torch.randn(48, 128), None, "int4"), AtenInt4Linear)
+    assert isinstance(make_linear(torch.randn(48, 128), None, "int8"), Int8Linear)

@@ -51,7 +51,7 @@ def test_activation_scale_is_per_row(weight):
 
 def test_make_linear_and_dtypes(weight):
     w, b = weight
-    int8 = cpu_linear.PackedLinear if cpu_linear.available() else Int8Linear
+    int8 = cpu_linear.PackedLinear if cpu_linear.runs_int8() else Int8Linear
     assert isinstance(make_linear(w, b, "int8"), int8)
     dense = make_linear(w, b, "bfloat16")
     assert isinstance(dense, DenseLinear) and dense.weight.dtype == torch.bfloat16

@@ -141,6 +141,32 @@ def engine_end_to_end(root: Path, run: str, backends: tuple[str, ...] = ()) -> s
     return caption(path, root) + grid(columns, rows)
 
 
+def engine_by_weights(root: Path, runs: dict[str, str]) -> str:
+    """One row per method, the native engine's mean tokens/s (with and without the prefill) in
+    each of several `bench engine` runs, named by their weights; diagnostics of the first."""
+    paths = {name: root / run / "engine.jsonl" for name, run in runs.items()}
+    e2e = {
+        name: [r for r in measurements(p) if r["key"].startswith("e2e|")]
+        for name, p in paths.items()
+    }
+    first = next(iter(e2e.values()))
+    rows = []
+    for label in dict.fromkeys(r["label"] for r in first):
+        row: dict[str, Any] = {"label": label, "diagnostics": _engine_diagnostics(first, label)}
+        for name, records in e2e.items():
+            row[name] = _engine_mean(records, "native", label, False)
+            row[f"{name} decode"] = _engine_mean(records, "native", label, True)
+        rows.append(row)
+    columns = [Column("method", lambda r: r["label"])]
+    for name in runs:
+        columns += [
+            Column(f"{name} tok/s", _f(name)),
+            Column(f"{name} decode", _f(f"{name} decode")),
+        ]
+    columns.append(Column("diagnostics", lambda r: r["diagnostics"]))
+    return captions(list(paths.values()), root) + grid(columns, rows)
+
+
 def _engine_mean(records: list[dict], backend: str, label: str, decode: bool) -> float:
     rs = [r for r in records if r["backend"] == backend and r["label"] == label]
     if decode:
@@ -292,7 +318,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "cpu/math500": lambda root: accuracy(root, "cpu/math500"),
     "cpu/gsm8k-settings": lambda root: accuracy(root, "cpu/gsm8k-k4", "cpu/gsm8k-threshold"),
     "cpu/json": lambda root: written(root, "cpu/json/json.md"),
-    "cpu/fidelity": lambda root: written(root, "cpu/fidelity-int8/fidelity.md"),
+    "cpu/fidelity": lambda root: written(root, "cpu/int8-kernel/groups/g32/fidelity.md"),
     "gpu/estimate": lambda root: written(root, "gpu/estimate.md"),
     "gpu/estimate-e2e": lambda root: written(root, "gpu/estimate.md", 1),
 }

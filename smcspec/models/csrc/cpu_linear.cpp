@@ -47,10 +47,13 @@ constexpr int64_t kSub = 32 / Bits;  // inputs per sub-block (64 bytes)
 constexpr int64_t kTile = 32;   // rows whose activations stay in cache while every block passes
 
 #if SMCSPEC_AVX512
+constexpr int64_t kStep = 2;  // blocks per pass (see rows_of_pair)
 constexpr int kRows = 6;  // rows per pass over a block: 2 integer sums + 1 float sum each
 #elif SMCSPEC_AVX2
+constexpr int64_t kStep = 1;
 constexpr int kRows = 3;
 #else
+constexpr int64_t kStep = 1;
 constexpr int kRows = 4;
 #endif
 
@@ -150,6 +153,78 @@ void rows_of_block(const Block& b, const View& v) {
     }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(v.y + r * v.n_out, acc[r]);
+}
+
+// Two adjacent blocks (32 outputs) for up to kPairRows rows: each broadcast of a row's four
+// activations feeds both blocks, so a vpdpbusd costs half the loads of the one-block loop above,
+// which at several rows is what bounds it. `next`: from a block's weights to the next block's.
+constexpr int kPairRows = 4;
+
+template <int Bits, int R>
+void rows_of_pair(const Block& b, int64_t next, const View& v) {
+  constexpr int64_t sub = kSub<Bits>;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const at::Half* scales[2] = {b.scales, b.scales + b.groups * 2 * kLanes};
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < b.groups; ++g) {
+    __m512i dot[R][2];
+    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
+    const uint8_t* w = b.packed + g * b.subs * 64;
+    const int8_t* x = v.q + g * b.subs * sub;
+#pragma GCC unroll 2
+    for (int64_t s = 0; s < b.subs; ++s) {
+      const __m512i p0 = _mm512_loadu_si512(w + s * 64);
+      const __m512i p1 = _mm512_loadu_si512(w + next + s * 64);
+      if constexpr (Bits == 4) {
+        const __m512i lo0 = _mm512_and_si512(p0, low), lo1 = _mm512_and_si512(p1, low);
+        const __m512i hi0 = _mm512_and_si512(_mm512_srli_epi16(p0, 4), low);
+        const __m512i hi1 = _mm512_and_si512(_mm512_srli_epi16(p1, 4), low);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xr = x + r * v.k_in + s * sub;
+          const __m512i first = broadcast4(xr), second = broadcast4(xr + 4);
+          dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], lo0, first);
+          dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], lo1, first);
+          dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], hi0, second);
+          dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], hi1, second);
+        }
+      } else {
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m512i xr = broadcast4(x + r * v.k_in + s * sub);
+          dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], p0, xr);
+          dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], p1, xr);
+        }
+      }
+    }
+#pragma GCC unroll 2
+    for (int c = 0; c < 2; ++c) {
+      const at::Half* sl = scales[c] + g * 2 * kLanes;
+      const __m512 scale =
+          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sl)));
+      const __m512 lo =
+          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sl + kLanes)));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512 s = _mm512_mul_ps(scale, _mm512_set1_ps(v.scale[r * b.groups + g]));
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][c]), s, acc[r][c]);
+        acc[r][c] = _mm512_fmadd_ps(lo, _mm512_set1_ps(v.sum[r * b.groups + g]), acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(v.y + r * v.n_out, acc[r][0]);
+    _mm512_storeu_ps(v.y + r * v.n_out + kLanes, acc[r][1]);
+  }
+}
+
+template <int Bits, int R>
+void pair_rows_upto(const Block& b, int64_t next, const View& v, int rows) {
+  if constexpr (R > 1) {
+    if (rows < R) return pair_rows_upto<Bits, R - 1>(b, next, v, rows);
+  }
+  rows_of_pair<Bits, R>(b, next, v);
 }
 
 #elif SMCSPEC_AVX2
@@ -257,14 +332,24 @@ void multiply(const Rows& rows, const uint8_t* w, const at::Half* sl, float* out
   const int64_t n_out = blocks * kLanes, groups = k_in / group;
   for (int64_t m0 = 0; m0 < m_rows; m0 += kTile) {
     const int64_t tile = std::min(kTile, m_rows - m0);
-    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t blk = begin; blk < end; ++blk) {
+    // with AVX-512, blocks go two at a time (the last alone when their count is odd)
+    at::parallel_for(0, (blocks + kStep - 1) / kStep, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t blk = begin * kStep; blk < std::min(end * kStep, blocks); blk += kStep) {
         const Block b{w + blk * (k_in / sub) * 64, sl + blk * groups * 2 * kLanes, groups,
                       group / sub};
-        for (int64_t m = m0; m < m0 + tile; m += kRows) {
+        const bool pair = kStep == 2 && blk + 1 < blocks;
+        const int per_pass = pair ? kPairRows : kRows;
+        for (int64_t m = m0; m < m0 + tile; m += per_pass) {
           const View v{rows.q.data() + m * k_in, rows.scale.data() + m * groups,
                        rows.sum.data() + m * groups, k_in, out + m * n_out + blk * kLanes, n_out};
-          rows_upto<Bits, kRows>(b, v, static_cast<int>(std::min<int64_t>(kRows, m0 + tile - m)));
+          const int n = static_cast<int>(std::min<int64_t>(per_pass, m0 + tile - m));
+#if SMCSPEC_AVX512
+          if (pair) {
+            pair_rows_upto<Bits, kPairRows>(b, (k_in / sub) * 64, v, n);
+            continue;
+          }
+#endif
+          rows_upto<Bits, kRows>(b, v, n);
         }
       }
     });

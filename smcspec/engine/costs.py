@@ -269,18 +269,34 @@ def from_measurements(
 
 
 def cache_key(llm) -> dict[str, Any]:
-    """What the costs depend on: the pair, its dtype and device, the torch threads the passes run
-    on, and the machine (the GPU's name on a GPU, else the CPU's model)."""
+    """What the costs depend on: the pair, its dtype and device, the kernel quantized weights
+    run on, the torch threads the passes run on, and the machine (the GPU's name on a GPU, else
+    the CPU's model)."""
     device = torch.device(llm.target.device)
     gpu = device.type == "cuda"
     return {
         "target": llm.names[0],
         "draft": llm.names[1],
         "dtype": str(llm.dtype),
+        "weights": weights_kind(str(llm.dtype), getattr(llm, "backend", "native")),
         "device": str(device),
         "torch_threads": torch.get_num_threads(),
         "machine": torch.cuda.get_device_name(device) if gpu else cpu_model(),
     }
+
+
+def weights_kind(dtype: str, backend: str) -> str:
+    """Which kernel int8 or int4 weights run on, and which build of smcspec's (a profile of
+    fbgemm's int8 does not price smcspec's kernel, nor one build of it another); the dtype
+    itself otherwise."""
+    if dtype not in ("int8", "int4"):
+        return dtype
+    if backend == "hf":
+        return "int8 fbgemm"
+    from smcspec.models import cpu_linear, layers
+
+    kind = layers.cache_kind(dtype)
+    return f"{kind} {cpu_linear.build_key()}" if "-b16-" in kind else kind
 
 
 def cache_path(key: Mapping[str, Any], cache_dir: str | Path | None = None) -> Path:

@@ -66,7 +66,7 @@ class _Kernel:
 def _build() -> ModuleType | None:
     from torch.utils import cpp_extension
 
-    name = f"smcspec_cpu_{_build_key()}"
+    name = f"smcspec_cpu_{build_key()}"
     where = defaults.cache_root() / "kernels" / name
     if not (where / f"{name}.so").exists():
         print("smcspec: building the int4/int8 CPU kernel for this machine (once)", file=sys.stderr)
@@ -100,7 +100,7 @@ def _drop_stale_lock(lock: Path, older_than_s: float = 600.0) -> None:
             lock.unlink()
 
 
-def _build_key() -> str:
+def build_key() -> str:
     """What the built kernel depends on: its source, torch, and this CPU's instruction sets
     (`-march=native`), so a cache shared between machines never runs another CPU's build."""
     h = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode())

@@ -157,6 +157,25 @@ def test_cache_key_names_the_threads_and_the_machine():
     assert one != two and one["machine"] == cm.cpu_model()
 
 
+def test_cache_key_names_the_kernel_quantized_weights_run_on(monkeypatch):
+    """A profile of fbgemm's int8 must not price int8 on smcspec's kernel, nor one build of that
+    kernel another."""
+    from smcspec.models import cpu_linear
+
+    llm = SimpleNamespace(names=("t", "d"), dtype="int8", target=SimpleNamespace(device="cpu"))
+    on_kernel = cpu_linear.runs_int8()  # smcspec's kernel runs int8 on this CPU
+    ours = cm.cache_key(llm)
+    monkeypatch.setattr(cpu_linear, "build_key", lambda: "another build")
+    rebuilt = cm.cache_key(llm)
+    monkeypatch.setattr(cpu_linear.KERNEL, "get", lambda: None)
+    fallback = cm.cache_key(llm)
+    assert fallback["weights"] == "int8"
+    if on_kernel:
+        assert len({ours["weights"], rebuilt["weights"], fallback["weights"]}) == 3
+    llm.dtype = "float32"
+    assert cm.cache_key(llm)["weights"] == "float32"
+
+
 def test_profile_measures_the_tiny_native_pair_once(
     tiny_llama_folder, tiny_llama_draft_folder, tmp_path
 ):

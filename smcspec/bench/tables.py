@@ -163,7 +163,7 @@ def engine_by_weights(root: Path, runs: dict[str, str]) -> str:
             Column(f"{name} tok/s", _f(name)),
             Column(f"{name} decode", _f(f"{name} decode")),
         ]
-    columns.append(Column("diagnostics", lambda r: r["diagnostics"]))
+    columns.append(Column(f"diagnostics ({next(iter(runs))})", lambda r: r["diagnostics"]))
     return captions(list(paths.values()), root) + grid(columns, rows)
 
 
@@ -298,7 +298,10 @@ def written(root: Path, file: str, index: int = 0) -> str:
 
 
 TABLES: dict[str, Callable[[Path], str]] = {
-    "cpu/speed": lambda root: engine_end_to_end(root, "cpu/engine-int8", ("native",)),
+    "cpu/speed": lambda root: engine_end_to_end(root, "cpu/engine-xeon-int8", ("native",)),
+    "cpu/engine-weights": lambda root: engine_by_weights(
+        root, {"int8": "cpu/engine-xeon-int8", "int4": "cpu/engine-xeon-int4"}
+    ),
     "cpu/engine-steps": lambda root: engine_steps(root, "cpu/engine-int8"),
     "cpu/engine-e2e": lambda root: engine_end_to_end(root, "cpu/engine-int8"),
     "cpu/engine-kv": lambda root: engine_kv(root, "cpu/engine-int8"),

@@ -291,8 +291,8 @@ def weights_kind(dtype: str, backend: str) -> str:
     itself otherwise."""
     if dtype not in ("int8", "int4"):
         return dtype
-    if backend == "hf":
-        return "int8 fbgemm"
+    if backend == "hf":  # transformers' modules, int8 on fbgemm
+        return f"{dtype}, hf backend"
     from smcspec.models import cpu_linear, layers
 
     kind = layers.cache_kind(dtype)

@@ -10,7 +10,8 @@ weights once for every row it multiplies.
 
 Why not fbgemm for int8 (`layers.Int8Linear`, the fallback): its packed weights are no tensors
 that can be stored, so every load repacks them (8 of a warm int8 start's 12.5 s on 2 Xeon
-cores); this kernel's packed weights are plain tensors, memory-mapped from the weight cache.
+cores); this kernel's packed weights are plain tensors, read back from the weight cache as they
+are.
 
 W[n, k] ~= Q[n, k] * scale[n, g] + lo[n, g], g = k // group, scale and lo in float16: each
 group's [min, max] mapped onto 0..15 (int4) or 0..255 (int8).
@@ -84,8 +85,8 @@ def _build() -> ModuleType | None:
     except (OSError, RuntimeError, ImportError) as e:  # no compiler, no headers, a failed build
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         warnings.warn(
-            f"smcspec's int4/int8 CPU kernel could not be built ({reason}); int4 and int8 "
-            "run on PyTorch's slower kernels instead",
+            f"smcspec's int4/int8 CPU kernel could not be built ({reason}); int4 runs on "
+            "PyTorch's slower kernel and int8 on fbgemm instead",
             RuntimeWarning,
             stacklevel=3,
         )

@@ -25,7 +25,7 @@ load reads only the files' metadata, and hashes only when the metadata cannot de
 
 Cold (no cache): the float weights are read tensor by tensor and quantized layer by layer, so at
 most one layer's float copy is held beside the quantized ones; the cache is then written. Warm:
-the quantized tensors are memory-mapped, and only fbgemm's int8 is packed again.
+the quantized tensors are read back one linear at a time, and only fbgemm's int8 is packed again.
 """
 
 from __future__ import annotations

@@ -193,8 +193,11 @@ def load_tokenizer(spec: str) -> Any:
 
 
 def same_tokenizer_files(a: str, b: str) -> bool:
-    """Whether two local specs hold byte-identical tokenizer files (a draft and a target of one
-    family), so that one loaded tokenizer serves both."""
+    """Whether two local specs tokenize alike (a draft and a target of one family), so that one
+    loaded tokenizer serves both: the same tokenizer files, chat templates aside. The draft's
+    tokenizer is read for its vocabulary and EOS id only, never to render a chat, so a template
+    that differs (Qwen2.5-Coder's 0.5B and 1.5B escape one brace differently) costs no second
+    load."""
     pa, pb = Path(a).expanduser(), Path(b).expanduser()
     if not (pa.is_dir() and pb.is_dir()):
         return pa.is_file() and pa.resolve() == pb.resolve()
@@ -202,9 +205,30 @@ def same_tokenizer_files(a: str, b: str) -> bool:
 
 
 def _tokenizer_key(path: Path) -> tuple:
-    """A folder's tokenizer files by name and SHA-256."""
-    files = sorted(f for f in path.iterdir() if f.name.startswith(_TOKENIZER_FILES))
-    return tuple((f.name, hashlib.sha256(f.read_bytes()).hexdigest()) for f in files)
+    """A folder's tokenizer files by name and SHA-256, but the chat template: its own files are
+    left out, and tokenizer_config.json is compared as its settings without one."""
+    key = []
+    for f in sorted(path.iterdir()):
+        if not f.name.startswith(_TOKENIZER_FILES) or f.name.startswith("chat_template"):
+            continue
+        data = f.read_bytes()
+        if f.name == "tokenizer_config.json":
+            data = _without_template(data)
+        key.append((f.name, hashlib.sha256(data).hexdigest()))
+    return tuple(key)
+
+
+def _without_template(config: bytes) -> bytes:
+    """tokenizer_config.json's settings, its chat template dropped, in one canonical form (the
+    bytes as they are when they do not parse: they then match only themselves)."""
+    try:
+        settings = json.loads(config)
+    except ValueError:
+        return config
+    if not isinstance(settings, dict):
+        return config
+    settings.pop("chat_template", None)
+    return json.dumps(settings, sort_keys=True).encode()
 
 
 def load_native(

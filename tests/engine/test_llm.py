@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 
@@ -102,15 +104,26 @@ def test_a_pair_with_the_same_tokenizer_files_loads_one_tokenizer(
     llm = LLM(str(tiny_llama_folder), str(tiny_llama_draft_folder), backend="native")
     assert loads == [str(tiny_llama_folder)]
     assert llm.generate("w1 w2", "sd", max_new_tokens=3, seed=0).diagnostics["new_tokens"] == 3
-    # one byte of difference in a tokenizer file: each model gets its own, and the check runs
+    # another chat template (a file of its own, or inside the config) or the config's layout:
+    # still one tokenizer, since the draft's never renders a chat
     other = tmp_path / "draft"
     shutil.copytree(tiny_llama_draft_folder, other)
+    (other / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
     config = other / "tokenizer_config.json"
-    config.write_text(config.read_text().replace("{", "{ ", 1))
+    settings = json.loads(config.read_text())
+    config.write_text(json.dumps(settings | {"chat_template": "{{ 1 }}"}, indent=4))
+    assert loader.same_tokenizer_files(str(tiny_llama_folder), str(other))
+    # a setting that differs, or one byte of the vocabulary: each model gets its own, and the
+    # check runs
+    config.write_text(json.dumps(settings | {"eos_token": "<pad>"}))
     assert not loader.same_tokenizer_files(str(tiny_llama_folder), str(other))
     loads.clear()
     LLM(str(tiny_llama_folder), str(other), backend="native")
     assert loads == [str(tiny_llama_folder), str(other)]
+    config.write_text(json.dumps(settings))
+    vocab = other / "tokenizer.json"
+    vocab.write_text(vocab.read_text().replace("{", "{ ", 1))
+    assert not loader.same_tokenizer_files(str(tiny_llama_folder), str(other))
 
 
 def test_potentials_through_the_api():

@@ -26,6 +26,7 @@ import contextlib
 import hashlib
 import os
 import platform
+import shutil
 import sys
 import threading
 import time
@@ -76,7 +77,7 @@ def _build() -> ModuleType | None:
         _drop_stale_lock(where / "lock")
         return cpp_extension.load(
             name=name,
-            sources=[str(_SOURCE)],
+            sources=[str(_source_in(where))],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
             build_directory=str(where),
@@ -91,6 +92,19 @@ def _build() -> ModuleType | None:
             stacklevel=3,
         )
         return None
+
+
+def _source_in(where: Path) -> Path:
+    """The kernel's source, copied into its build folder. torch's build (ninja) compiles again
+    whenever a source's path changes, and the folder is shared by every install of the same
+    source (its name hashes the bytes): two checkouts or environments on one machine, each
+    naming its own copy, rebuilt the kernel (25 s) at every start that followed the other's."""
+    copy = where / _SOURCE.name
+    if not copy.is_file() or copy.read_bytes() != _SOURCE.read_bytes():
+        partial = copy.with_name(f"{copy.name}.partial-{os.getpid()}")
+        shutil.copyfile(_SOURCE, partial)
+        os.replace(partial, copy)
+    return copy
 
 
 def _drop_stale_lock(lock: Path, older_than_s: float = 600.0) -> None:

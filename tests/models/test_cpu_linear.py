@@ -2,6 +2,8 @@
 rounds to, the product against the same arithmetic written out in PyTorch, the activations'
 rounding bound, and what happens where it cannot run."""
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -162,6 +164,29 @@ def test_where_the_kernel_cannot_be_built_it_says_so_once_and_falls_back(monkeyp
     monkeypatch.setattr(cpu_linear, "KERNEL", kernel)
     assert isinstance(make_linear(torch.randn(48, 128), None, "int4"), AtenInt4Linear)
     assert isinstance(make_linear(torch.randn(48, 128), None, "int8"), Int8Linear)
+
+
+def test_every_install_builds_from_one_source_path(monkeypatch, tmp_path):
+    """torch's build compiles again when a source's path changes: two installs of one source
+    each naming its own file rebuilt the shared kernel at every start after the other's. Both
+    name the copy in the build folder, written once."""
+    from torch.utils import cpp_extension
+
+    named = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: named.extend(kw["sources"]))
+    monkeypatch.setenv("SMCSPEC_CACHE", str(tmp_path))
+    cpu_linear._build()
+    (source,) = named
+    copy = Path(source)
+    assert copy.parent.parent == tmp_path / "kernels"
+    assert copy.read_bytes() == cpu_linear._SOURCE.read_bytes()
+    written = copy.stat().st_mtime_ns
+    other = tmp_path / "other-checkout" / "cpu_linear.cpp"  # another install, same bytes
+    other.parent.mkdir()
+    other.write_bytes(copy.read_bytes())
+    monkeypatch.setattr(cpu_linear, "_SOURCE", other)
+    cpu_linear._build()
+    assert named == [source, source] and copy.stat().st_mtime_ns == written
 
 
 @pytest.mark.parametrize("isa, int8", [("avx512-vnni", PackedLinear), ("avx2", Int8Linear)])

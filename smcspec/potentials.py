@@ -47,6 +47,20 @@ GRAMMAR_LIMITS = {
 PROBE_TOKENS = 2
 
 
+def llguidance_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
+    """llguidance's view of `tokenizer` (an `llguidance.LLTokenizer` as it is). llguidance reads
+    transformers' fast tokenizers, so smcspec's stored one (`tokenizer_cache.CachedTokenizer`)
+    hands over the transformers tokenizer it stands for."""
+    import llguidance
+
+    if isinstance(tokenizer, llguidance.LLTokenizer):
+        return tokenizer
+    import llguidance.hf
+
+    tokenizer = getattr(tokenizer, "transformers_tokenizer", tokenizer)
+    return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+
+
 class ConstraintError(ValueError):
     """No output can satisfy the potentials: every sequence reached a dead end (llguidance gave
     up on the grammar, the sampling settings leave none of the tokens it allows, or a reward
@@ -188,14 +202,7 @@ class Constraint(Potential):
     def __init__(
         self, grammar: str, tokenizer: Any, vocab_size: int, what: str = "grammar"
     ) -> None:
-        import llguidance
-
-        if isinstance(tokenizer, llguidance.LLTokenizer):
-            self.tokenizer = tokenizer
-        else:
-            import llguidance.hf
-
-            self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+        self.tokenizer = llguidance_tokenizer(tokenizer, vocab_size)
         _validate(grammar, self.tokenizer, what)
         self.grammar, self.vocab_size, self.what = grammar, vocab_size, what
         self._bits = torch.arange(32, dtype=torch.int32)

@@ -239,3 +239,38 @@ def test_a_tool_call_through_the_server_on_the_default_pair(llm):
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+def test_the_stored_tokenizer_reads_as_transformers_on_the_default_pair(llm):
+    """The target's tokenizer from smcspec's store (`tokenizer_cache`) against transformers'
+    own: ids, texts and chat renderings (tools and tool calls included), on text where
+    transformers' Qwen2 class differs from the shipped tokenizer.json (an NFC normalizer the file
+    lacks: "e" + combining accent is one token pair fewer)."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    from smcspec.models import defaults, tokenizer_cache
+
+    folder = defaults.ensure(defaults.DEFAULT_TARGET)
+    tokenizer_cache.load(folder)
+    cached, hf = tokenizer_cache.read(folder), AutoTokenizer.from_pretrained(str(folder))
+    assert isinstance(cached, tokenizer_cache.CachedTokenizer)
+    decomposed = "cafe\u0301"
+    raw = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    assert raw.encode(decomposed).ids != hf.encode(decomposed)  # why the file is not read
+    call = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+    texts = [PROMPT, decomposed, "<|im_start|>user\n数学 🤖<|im_end|>", call, "\t  x\r\n\n"]
+    for text in texts:
+        ids = hf.encode(text, add_special_tokens=False)
+        assert cached.encode(text, add_special_tokens=False) == ids
+        assert cached.decode(ids, skip_special_tokens=True) == hf.decode(ids, True)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    reply = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"function": {"name": "f", "arguments": {"x": 1}}}],
+    }
+    chat = [{"role": "user", "content": "hi"}, reply, {"role": "tool", "content": "2"}]
+    for tools in (None, [tool]):
+        kwargs = {"tools": tools, "add_generation_prompt": True, "tokenize": False}
+        assert cached.apply_chat_template(chat, **kwargs) == hf.apply_chat_template(chat, **kwargs)

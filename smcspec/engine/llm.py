@@ -27,7 +27,7 @@ from smcspec.engine.scheduler import Job, Scheduler
 from smcspec.engine.text import TextStream, check_stops
 from smcspec.engine.tuning import Tuner
 from smcspec.models.base import CausalLM
-from smcspec.potentials import Potential
+from smcspec.potentials import Potential, llguidance_tokenizer
 
 
 @dataclass
@@ -191,12 +191,8 @@ class LLM:
     def guidance_tokenizer(self) -> Any:
         """llguidance's view of the tokenizer, built once (a second for a 152k vocabulary)."""
         if self._guidance is None:
-            import llguidance.hf
-
             try:
-                self._guidance = llguidance.hf.from_tokenizer(
-                    self.tokenizer, n_vocab=self.vocab_size
-                )
+                self._guidance = llguidance_tokenizer(self.tokenizer, self.vocab_size)
             except Exception as err:  # llguidance reads byte-level (BPE) tokenizers only
                 raise ValueError(
                     f"constraints need a tokenizer llguidance can read; this one fails: {err}"

@@ -179,17 +179,17 @@ def _hf_drops_rope(spec: str) -> bool:
     return gguf_loader.has_rope_scaling(path)
 
 
-_TOKENIZER_FILES = ("tokenizer", "special_tokens_map", "vocab", "merges", "chat_template", "added")
-
-
 def load_tokenizer(spec: str) -> Any:
-    """The tokenizer of a local folder or .gguf file."""
-    from transformers import AutoTokenizer
-
+    """The tokenizer of a local folder (from its store after the first load:
+    `tokenizer_cache`) or .gguf file."""
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return AutoTokenizer.from_pretrained(str(path))
+    from smcspec.models import tokenizer_cache
+
+    return tokenizer_cache.load(path)
 
 
 def same_tokenizer_files(a: str, b: str) -> bool:
@@ -207,9 +207,11 @@ def same_tokenizer_files(a: str, b: str) -> bool:
 def _tokenizer_key(path: Path) -> tuple:
     """A folder's tokenizer files by name and SHA-256, but the chat template: its own files are
     left out, and tokenizer_config.json is compared as its settings without one."""
+    from smcspec.models.tokenizer_cache import TOKENIZER_FILES
+
     key = []
     for f in sorted(path.iterdir()):
-        if not f.name.startswith(_TOKENIZER_FILES) or f.name.startswith("chat_template"):
+        if not f.name.startswith(TOKENIZER_FILES) or f.name.startswith("chat_template"):
             continue
         data = f.read_bytes()
         if f.name == "tokenizer_config.json":

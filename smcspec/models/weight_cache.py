@@ -193,9 +193,15 @@ def save(
 
 def _write_stamp(path: Path, value: dict) -> None:
     """Replace the stamp whole: a load never reads half of one (a refresh races other loads)."""
+    write_whole(path, json.dumps(value, indent=1))
+
+
+def write_whole(path: Path, text: str) -> None:
+    """Replace `path` with `text` at once: a reader sees the old file or the new one, never half
+    of one, and two writers at once each write a whole file."""
     partial = path.with_name(f"{path.name}.partial-{os.getpid()}-{secrets.token_hex(4)}")
     try:
-        partial.write_text(json.dumps(value, indent=1))
+        partial.write_text(text)
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)

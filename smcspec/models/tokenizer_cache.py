@@ -170,7 +170,10 @@ def read(folder: Path, cache_root: Path | None = None) -> CachedTokenizer | None
         return None
     from tokenizers import Tokenizer
 
-    return CachedTokenizer(Tokenizer.from_file(str(backend_file)), saved, folder)
+    try:
+        return CachedTokenizer(Tokenizer.from_file(str(backend_file)), saved, folder)
+    except Exception:  # tokenizers' parse errors are plain Exceptions; transformers will do
+        return None
 
 
 def store(folder: Path, tokenizer: Any, cache_root: Path | None = None) -> Path | None:
@@ -183,7 +186,10 @@ def store(folder: Path, tokenizer: Any, cache_root: Path | None = None) -> Path 
     backend = copy.copy(tokenizer.backend_tokenizer)
     if not _agrees(tokenizer, CachedTokenizer(copy.copy(backend), settings, folder)):
         return None
-    settings["stamp"] = stamp(folder)
+    try:
+        text = json.dumps(settings | {"stamp": stamp(folder)})
+    except TypeError:  # a special token held as an object JSON cannot write
+        return None
     where = weight_cache.location(folder, KIND, cache_root)
     settings_file, backend_file = _files(where)
     try:
@@ -191,7 +197,7 @@ def store(folder: Path, tokenizer: Any, cache_root: Path | None = None) -> Path 
         # the pipeline first, the settings (which carry the stamp) last: a half-written store
         # has no valid stamp, so it is never read
         weight_cache.write_whole(backend_file, backend.to_str())
-        weight_cache.write_whole(settings_file, json.dumps(settings))
+        weight_cache.write_whole(settings_file, text)
     except OSError:
         return None
     return settings_file

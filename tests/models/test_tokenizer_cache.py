@@ -73,7 +73,7 @@ def test_a_changed_tokenizer_file_is_read_again(folder):
     assert tokenizer_cache.read(folder).eos_token_id == 0
 
 
-@pytest.mark.parametrize("damage", ["garbled", "other version", "no pipeline"])
+@pytest.mark.parametrize("damage", ["garbled", "other version", "no pipeline", "bad pipeline"])
 def test_a_damaged_or_stale_store_is_not_read(folder, damage):
     tokenizer_cache.load(folder)
     settings = folder / "smcspec-tokenizer.json"
@@ -83,9 +83,12 @@ def test_a_damaged_or_stale_store_is_not_read(folder, damage):
         saved = json.loads(settings.read_text())
         saved["stamp"]["versions"]["transformers"] = "0.0.1"
         settings.write_text(json.dumps(saved))
-    else:
+    elif damage == "no pipeline":
         (folder / "smcspec-tokenizer.pipeline.json").unlink()
+    else:
+        (folder / "smcspec-tokenizer.pipeline.json").write_text('{"model": 1}')
     assert tokenizer_cache.read(folder) is None
+    assert not isinstance(tokenizer_cache.load(folder), CachedTokenizer)  # transformers'
 
 
 def test_a_tokenizer_the_store_would_change_is_never_stored(folder):
@@ -97,6 +100,17 @@ def test_a_tokenizer_the_store_would_change_is_never_stored(folder):
     hf = tokenizer_cache.load(folder)
     assert tokenizer_cache.store(folder, hf) is None
     assert not isinstance(tokenizer_cache.load(folder), CachedTokenizer)
+
+
+def test_settings_json_cannot_write_store_nothing(folder, monkeypatch):
+    hf = tokenizer_cache.load(folder)
+    for f in folder.glob("smcspec-tokenizer*"):
+        f.unlink()
+    real = tokenizer_cache._settings
+    monkeypatch.setattr(tokenizer_cache, "_settings", lambda t: real(t) | {"x": object()})
+    monkeypatch.setattr(tokenizer_cache, "_agrees", lambda *a: True)
+    assert tokenizer_cache.store(folder, hf) is None
+    assert not list(folder.glob("smcspec-tokenizer*"))
 
 
 @pytest.mark.parametrize("fault", ["chat template", "EOS", "special tokens in text"])

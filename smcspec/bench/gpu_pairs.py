@@ -44,7 +44,8 @@ SD_ACCEPTANCE = 0.95
 SD_ACCEPTANCE_PAIR = "qwen2.5-coder-1.5b+0.5b"
 SD_ACCEPTANCE_SOURCE = (
     "sd K=4 on the real Qwen2.5-Coder 1.5B/0.5B pair, T=0.7, 3 HumanEval prompts x 128 tokens, "
-    "native int8 engine on the CPU (README 'Speed on this machine', benchmarks/cpu/engine-int8)"
+    "native int8 engine on 2 AMD EPYC cores (docs/benchmarks.md 'Speed on this machine', "
+    "benchmarks/cpu/engine-int8)"
 )
 # q_proj and k_proj (weights and biases) are this much larger than `random_weights` makes them:
 # attention scores q.k grow by its square (see `pair_weights`).

@@ -44,7 +44,7 @@ def test_the_script_runs_the_smoke_plan_without_an_install(tmp_path):
     text = (tmp_path / "gpu.md").read_text()
     assert "| sd K=4 predicted |" in text and "acceptance meaningless" in text
     assert "(1 - a^(K+1)) / (1 - a) = 4.52 tokens per round" in text
-    assert "README 'Speed on this machine'" in text and "x the floor" in text
+    assert "docs/benchmarks.md 'Speed on this machine'" in text and "x the floor" in text
     assert "## Targets" in text and "## Stages that raised" not in text
 
 

@@ -102,3 +102,21 @@ def test_runs_merged_into_one_table_name_every_source_once_per_machine() -> None
 def test_our_ar_row_against_llama_cpp_names_the_runs_own_precision(run, precision) -> None:
     table = tables.against_llama_cpp(BENCH, run)
     assert f"| ours: ar ({precision}) |" in table and "| llama.cpp Q4_K_M |" in table
+
+
+def test_the_prompt_set_table_puts_each_runs_cells_in_its_own_columns() -> None:
+    """Each prompt set's three columns hold that run's own summary (a table that read one run
+    into every column, or shifted a column, differs)."""
+    from smcspec.bench import report
+    from smcspec.bench.results import measurements
+
+    runs = {"HumanEval": "cpu/prompt-sets/humaneval", "GSM8K": "cpu/prompt-sets/gsm8k"}
+    body = _table_of(tables.by_prompt_set(BENCH, runs)).splitlines()
+    assert body[0].split(" | ")[1:4] == ["HumanEval tok/s", "vs ar", "acceptance / ESS"]
+    rows = {line.split(" | ")[0].lstrip("| "): line.strip("|").split(" | ") for line in body[2:]}
+    for column, run in enumerate(runs.values()):
+        summary = report.speed_summary(measurements(BENCH / run / "speed.jsonl"))
+        for r in summary:
+            cells = rows[r["label"]][1 + 3 * column : 4 + 3 * column]
+            assert cells[0].strip() == report._fmt(r["median_tps"], 2)
+            assert cells[1].strip() == ("1.00x" if r["label"] == "ar" else f"{r['vs_ar']:.2f}x")

@@ -158,7 +158,7 @@ def engine_by_weights(root: Path, runs: dict[str, str]) -> str:
             row[f"{name} decode"] = _engine_mean(records, "native", label, True)
         rows.append(row)
     columns = [Column("method", lambda r: r["label"])]
-    for name in runs:
+    for name in paths:
         columns += [
             Column(f"{name} tok/s", _f(name)),
             Column(f"{name} decode", _f(f"{name} decode")),
@@ -217,11 +217,14 @@ def against_llama_cpp(root: Path, run: str) -> str:
     return caption(path, root) + grid(columns, rows)
 
 
-def by_prompt_set(root: Path, runs: dict[str, str]) -> str:
-    """One speed run per prompt set (`bench speed --prompt-set`), side by side: each method's
-    median tok/s, its ratio to the same run's ar, and its acceptance (sd) or mean ESS (smc). The
-    runs follow one another, so compare ratios within a column, not tok/s across columns."""
-    paths = {name: root / run / "speed.jsonl" for name, run in runs.items()}
+def by_prompt_set(root: Path, run: str) -> str:
+    """One speed run per prompt set (`bench speed --prompt-set`, each in `run`/<set>), side by
+    side: each method's median tok/s, its ratio to the same run's ar, and its acceptance (sd) or
+    mean ESS (smc). The runs follow one another, so compare ratios within a column, not tok/s
+    across columns."""
+    paths = {
+        name: root / run / key / "speed.jsonl" for key, name in report.PROMPT_SET_NAMES.items()
+    }
     summaries = {name: report.speed_summary(measurements(p)) for name, p in paths.items()}
     labels = list(dict.fromkeys(r["label"] for rows in summaries.values() for r in rows))
     cells = {(name, r["label"]): r for name, rows in summaries.items() for r in rows}
@@ -230,7 +233,7 @@ def by_prompt_set(root: Path, runs: dict[str, str]) -> str:
         return lambda row: what(cells[name, row["label"]]) if (name, row["label"]) in cells else "-"
 
     columns = [Column("method", lambda r: r["label"])]
-    for name in runs:
+    for name in paths:
         columns += [
             Column(f"{name} tok/s", of(name, _f("median_tps"))),
             Column("vs ar", of(name, _f("vs_ar", suffix="x"))),
@@ -330,14 +333,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "cpu/llama-cpp": lambda root: against_llama_cpp(root, "cpu/llama-cpp"),
     "cpu/llama-cpp-int4": lambda root: against_llama_cpp(root, "cpu/llama-cpp-int4"),
     "cpu/sweep-int8": lambda root: speed(root, "cpu/sweep-int8"),
-    "cpu/prompt-sets": lambda root: by_prompt_set(
-        root,
-        {
-            "HumanEval": "cpu/prompt-sets/humaneval",
-            "GSM8K": "cpu/prompt-sets/gsm8k",
-            "MT-Bench": "cpu/prompt-sets/mt-bench",
-        },
-    ),
+    "cpu/prompt-sets": lambda root: by_prompt_set(root, "cpu/prompt-sets"),
     "cpu/draft-temperature": lambda root: speed(root, "cpu/draft-temperature"),
     "cpu/auto-sweep": lambda root: speed(root, "cpu/auto-sweep"),
     "cpu/auto-sweep-best": lambda root: best_fixed(root, "cpu/auto-sweep"),

@@ -110,11 +110,11 @@ def test_the_prompt_set_table_puts_each_runs_cells_in_its_own_columns() -> None:
     from smcspec.bench import report
     from smcspec.bench.results import measurements
 
-    runs = {"HumanEval": "cpu/prompt-sets/humaneval", "GSM8K": "cpu/prompt-sets/gsm8k"}
-    body = _table_of(tables.by_prompt_set(BENCH, runs)).splitlines()
+    runs = ["cpu/prompt-sets/humaneval", "cpu/prompt-sets/gsm8k", "cpu/prompt-sets/mt-bench"]
+    body = _table_of(tables.by_prompt_set(BENCH, "cpu/prompt-sets")).splitlines()
     assert body[0].split(" | ")[1:4] == ["HumanEval tok/s", "vs ar", "acceptance / ESS"]
     rows = {line.split(" | ")[0].lstrip("| "): line.strip("|").split(" | ") for line in body[2:]}
-    for column, run in enumerate(runs.values()):
+    for column, run in enumerate(runs):
         summary = report.speed_summary(measurements(BENCH / run / "speed.jsonl"))
         for r in summary:
             cells = rows[r["label"]][1 + 3 * column : 4 + 3 * column]

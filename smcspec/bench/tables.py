@@ -346,6 +346,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "cpu/gsm8k": lambda root: accuracy(root, "cpu/gsm8k-k4"),
     "cpu/gsm8k-epyc": lambda root: accuracy(root, "cpu/gsm8k", "cpu/gsm8k-n4"),
     "cpu/math500": lambda root: accuracy(root, "cpu/math500"),
+    "cpu/humaneval": lambda root: accuracy(root, "cpu/humaneval-int8"),
     "cpu/gsm8k-settings": lambda root: accuracy(root, "cpu/gsm8k-k4", "cpu/gsm8k-threshold"),
     "cpu/json": lambda root: written(root, "cpu/json/json.md"),
     "cpu/fidelity": lambda root: written(root, "cpu/int8-kernel/groups/g32/fidelity.md"),

@@ -345,6 +345,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "cpu/accuracy-power": lambda root: accuracy(root, "cpu/accuracy-power"),
     "cpu/gsm8k": lambda root: accuracy(root, "cpu/gsm8k-k4"),
     "cpu/gsm8k-epyc": lambda root: accuracy(root, "cpu/gsm8k", "cpu/gsm8k-n4"),
+    "cpu/gsm8k-heldout": lambda root: accuracy(root, "cpu/gsm8k-heldout"),
     "cpu/math500": lambda root: accuracy(root, "cpu/math500"),
     "cpu/humaneval": lambda root: accuracy(root, "cpu/humaneval-int8"),
     "cpu/gsm8k-settings": lambda root: accuracy(root, "cpu/gsm8k-k4", "cpu/gsm8k-threshold"),

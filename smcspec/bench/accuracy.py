@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from smcspec.bench import machine, report
 from smcspec.bench.contenders import OURS, Contender, run, run_batch
-from smcspec.bench.results import ResultLog, measurements
+from smcspec.bench.results import ResultLog, machines, measurements
 from smcspec.bench.tasks import TASKS, check_slice, task
 from smcspec.config import SamplingConfig
 
@@ -144,7 +144,8 @@ def write_accuracy_report(out_dir: str | Path, extra_files: list[str] | None = N
     records = [r for f in files for r in measurements(f)]
     hdr = report.header_of(files[0])
     plan = hdr.get("plan", {})
-    where = machine.one_line(hdr["machine"]) if "machine" in hdr else "unknown machine"
+    ran_on = [machine.one_line(m) for m in machines(files[0])]
+    where = ", resumed on ".join(ran_on) or "unknown machine"
     names = list(dict.fromkeys(r.get("task", "humaneval") for r in records)) or [
         plan.get("task", "humaneval")
     ]

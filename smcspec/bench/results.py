@@ -1,5 +1,7 @@
 """Append-only JSON-lines result files. Each line is one finished measurement with a `key`; a
-rerun skips keys already present, so an interrupted run resumes and keeps what it has."""
+rerun skips keys already present, so an interrupted run resumes and keeps what it has. A run
+resumed on another machine than the one the file last saw says so in a `resumed` line, so the
+records after it are not credited to the header's machine."""
 
 from __future__ import annotations
 
@@ -14,8 +16,16 @@ class ResultLog:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.done = self.existing(self.path)
+        self.moved: dict[str, Any] | None = None  # written before the first record it explains
         if not self.path.exists() or self.path.stat().st_size == 0:
             self._write({"kind": "header", **header})
+            return
+        with self.path.open("rb+") as f:  # a line torn by a kill is ended, or the next record
+            f.seek(-1, 2)  # would join it and be lost with it
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+        if "machine" in header and machines(self.path)[-1:] != [header["machine"]]:
+            self.moved = {"kind": "resumed", "machine": header["machine"], "after": len(self.done)}
 
     @staticmethod
     def existing(path: str | Path) -> set[str]:
@@ -26,6 +36,9 @@ class ResultLog:
         return key in self.done
 
     def add(self, key: str, record: dict[str, Any]) -> None:
+        if self.moved:
+            self._write(self.moved)
+            self.moved = None
         self._write({"key": key, **record})
         self.done.add(key)
 
@@ -59,3 +72,13 @@ def measurements(path: str | Path) -> list[dict[str, Any]]:
 
 def header(path: str | Path) -> dict[str, Any]:
     return next((r for r in read(path) if r.get("kind") == "header"), {})
+
+
+def machines(path: str | Path) -> list[dict[str, Any]]:
+    """The machines a result file's records ran on, in order: its header's, then each one a
+    resumed run moved to."""
+    return [
+        r["machine"]
+        for r in read(path)
+        if r.get("kind") in ("header", "resumed") and "machine" in r
+    ]

@@ -28,7 +28,7 @@ from typing import Any
 
 from smcspec.bench import report
 from smcspec.bench.machine import one_line
-from smcspec.bench.results import header, measurements
+from smcspec.bench.results import header, machines, measurements
 
 # Markers stand on lines of their own, so prose may quote one in backticks.
 MARKER = re.compile(
@@ -61,7 +61,13 @@ def caption(path: Path, root: Path) -> str:
         said = "" if first.startswith("#") else f": {first}"
         return f"*Source: `{rel}`{said}*\n\n"
     hdr = header(path)
-    return f"*Source: `{rel}`; {one_line(hdr['machine'])}; {report.models_line(hdr)}.*\n\n"
+    return f"*Source: `{rel}`; {where(path)}; {report.models_line(hdr)}.*\n\n"
+
+
+def where(path: Path) -> str:
+    """The header's machine, and any a resumed run moved to."""
+    first, *later = machines(path)
+    return one_line(first) + "".join(f", resumed on {one_line(m)}" for m in later)
 
 
 def markdown_table(path: Path, index: int = 0) -> str:
@@ -274,10 +280,10 @@ def accuracy(root: Path, *runs: str) -> str:
 
 def captions(paths: list[Path], root: Path) -> str:
     """`caption` for several runs: one line when they ran on one machine with one pair."""
-    where = {(one_line(header(p)["machine"]), report.models_line(header(p))) for p in paths}
-    if len(paths) < 2 or len(where) > 1:
+    places = {(where(p), report.models_line(header(p))) for p in paths}
+    if len(paths) < 2 or len(places) > 1:
         return "".join(caption(path, root) for path in paths)
-    ((machine, models),) = where
+    ((machine, models),) = places
     rels = ", ".join(f"`benchmarks/{p.relative_to(root).as_posix()}`" for p in paths)
     return f"*Sources: {rels}; {machine}; {models}.*\n\n"
 

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from smcspec.bench import report
-from smcspec.bench.results import ResultLog, header, measurements
+from smcspec.bench.results import ResultLog, header, machines, measurements, read
 
 
 def test_wilson_interval_known_values():
@@ -45,10 +45,49 @@ def test_result_log_resumes_and_ignores_a_torn_line(tmp_path):
     log.add("b", {"v": 2})
     with path.open("a") as f:
         f.write('{"key": "c", "v"')  # killed mid-write
-    again = ResultLog(path, {"machine": {"cpu": "y"}})
+    again = ResultLog(path, {"machine": {"cpu": "x"}})
     assert again.has("a") and again.has("b") and not again.has("c")
     assert [r["v"] for r in measurements(path)] == [1, 2]
     assert header(path)["machine"]["cpu"] == "x"  # the header is written once
+    assert machines(path) == [{"cpu": "x"}]  # the same machine: nothing more to say
+    again.add("c", {"v": 3})  # after the torn line, not glued to it
+    assert [r["v"] for r in measurements(path)] == [1, 2, 3]
+
+
+def test_a_run_resumed_on_another_machine_says_so_once(tmp_path):
+    path = tmp_path / "r.jsonl"
+    ResultLog(path, {"machine": {"cpu": "x"}}).add("a", {"v": 1})
+    ResultLog(path, {"machine": {"cpu": "y"}}).add("b", {"v": 2})
+    ResultLog(path, {"machine": {"cpu": "y"}}).add("c", {"v": 3})  # resumed again there
+    ResultLog(path, {"machine": {"cpu": "z"}})  # found nothing left to run: ran nothing there
+    assert machines(path) == [{"cpu": "x"}, {"cpu": "y"}]
+    moved = [r for r in read(path) if r.get("kind") == "resumed"]
+    assert moved == [{"kind": "resumed", "machine": {"cpu": "y"}, "after": 1}]
+    assert header(path)["machine"]["cpu"] == "x"
+    assert [r["v"] for r in measurements(path)] == [1, 2, 3]
+
+
+def test_a_tables_caption_names_the_machine_a_run_resumed_on(tmp_path):
+    from smcspec.bench import tables
+
+    def box(cpu):
+        return {
+            "cpu": cpu,
+            "cores": 2,
+            "torch_threads": 2,
+            "gpu": None,
+            "device": "cpu",
+            "torch": "2.13.0+cpu",
+            "precision": "int8, native backend",
+        }
+
+    models = {"target": "T", "draft": "D"}
+    path = tmp_path / "run" / "accuracy.jsonl"
+    ResultLog(path, {"machine": box("Xeon"), "models": models}).add("a", {"v": 1})
+    assert "resumed" not in tables.caption(path, tmp_path)
+    ResultLog(path, {"machine": box("EPYC"), "models": models}).add("b", {"v": 2})
+    said = tables.caption(path, tmp_path)
+    assert said.index("Xeon") < said.index("resumed on EPYC"), said
 
 
 def _rec(label, prompt, tps, temp=0.7, **extra):

@@ -144,8 +144,7 @@ def write_accuracy_report(out_dir: str | Path, extra_files: list[str] | None = N
     records = [r for f in files for r in measurements(f)]
     hdr = report.header_of(files[0])
     plan = hdr.get("plan", {})
-    ran_on = [machine.one_line(m) for m in machines(files[0])]
-    where = ", resumed on ".join(ran_on) or "unknown machine"
+    where = machine.ran_on(machines(files[0]))
     names = list(dict.fromkeys(r.get("task", "humaneval") for r in records)) or [
         plan.get("task", "humaneval")
     ]

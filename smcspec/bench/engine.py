@@ -21,7 +21,7 @@ from tqdm import tqdm
 from smcspec.bench import machine
 from smcspec.bench.contenders import Contender, run
 from smcspec.bench.report import _fmt, decode_rate
-from smcspec.bench.results import ResultLog, header, measurements
+from smcspec.bench.results import ResultLog, header, machines, measurements
 from smcspec.bench.roofline import time_forward
 from smcspec.bench.speed import prompt_ids
 from smcspec.config import SamplingConfig
@@ -158,7 +158,7 @@ def write_engine_report(out_dir: str | Path) -> str:
     backends = hdr.get("backends", [])
     plan = hdr.get("plan", {})
     lines = [
-        f"Engines at {hdr['machine']['precision']}: {machine.one_line(hdr['machine'])}; "
+        f"Engines at {hdr['machine']['precision']}: {machine.ran_on(machines(path))}; "
         f"target {hdr['models']['target']}, draft {hdr['models']['draft']}; "
         f"context {plan.get('context')} tokens, median of {plan.get('reps')} reps.",
         "",

@@ -35,6 +35,15 @@ def one_line(machine: dict) -> str:
     )
 
 
+def ran_on(machines: list[dict]) -> str:
+    """Where a result file's records ran: its header's machine, then each one a resumed run moved
+    to."""
+    if not machines:
+        return "unknown machine"
+    first, *later = machines
+    return one_line(first) + "".join(f", resumed on {one_line(m)}" for m in later)
+
+
 def run_header(llm, precision: str, plan) -> dict:
     """What every result file starts with: machine, models, and the plan's settings (its
     contenders named by their labels)."""

@@ -414,12 +414,13 @@ def header_of(path: str | Path) -> dict[str, Any]:
     return header(path)
 
 
-def speed_caption(hdr: dict[str, Any]) -> str:
-    from smcspec.bench.machine import one_line
+def speed_caption(hdr: dict[str, Any], machines: list[dict[str, Any]]) -> str:
+    """The speed table's caption; `machines`: the ones its records ran on (`results.machines`)."""
+    from smcspec.bench.machine import ran_on
 
     plan = hdr.get("plan", {})
     length = "natural stop at EOS" if plan.get("natural_stop") else "EOS ignored"
-    where = one_line(hdr["machine"]) if "machine" in hdr else "unknown machine"
+    where = ran_on(machines)
     return (
         f"Speed: {where}. {models_line(hdr)}. First {plan.get('prompts')} "
         f"{PROMPT_SET_NAMES[plan.get('prompt_set', 'humaneval')]} prompts as "

@@ -15,7 +15,8 @@ class ResultLog:
     def __init__(self, path: str | Path, header: dict[str, Any]) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.done = self.existing(self.path)
+        records = read(self.path)
+        self.done = {r["key"] for r in records if "key" in r}
         self.moved: dict[str, Any] | None = None  # written before the first record it explains
         if not self.path.exists() or self.path.stat().st_size == 0:
             self._write({"kind": "header", **header})
@@ -24,7 +25,7 @@ class ResultLog:
             f.seek(-1, 2)  # would join it and be lost with it
             if f.read(1) != b"\n":
                 f.write(b"\n")
-        if "machine" in header and machines(self.path)[-1:] != [header["machine"]]:
+        if "machine" in header and _machines(records)[-1:] != [header["machine"]]:
             self.moved = {"kind": "resumed", "machine": header["machine"], "after": len(self.done)}
 
     @staticmethod
@@ -77,8 +78,10 @@ def header(path: str | Path) -> dict[str, Any]:
 def machines(path: str | Path) -> list[dict[str, Any]]:
     """The machines a result file's records ran on, in order: its header's, then each one a
     resumed run moved to."""
+    return _machines(read(path))
+
+
+def _machines(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [
-        r["machine"]
-        for r in read(path)
-        if r.get("kind") in ("header", "resumed") and "machine" in r
+        r["machine"] for r in records if r.get("kind") in ("header", "resumed") and "machine" in r
     ]

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from smcspec.bench.machine import describe, free_port, one_line
+from smcspec.bench.machine import describe, free_port, ran_on
 from smcspec.bench.prompts import chat_text, humaneval_problems
 from smcspec.bench.report import _fmt, chose, pooled_acceptance
-from smcspec.bench.results import ResultLog, header, measurements
+from smcspec.bench.results import ResultLog, header, machines, measurements
 from smcspec.config import SamplingConfig
 from smcspec.engine import configs_from_fields
 from smcspec.server.cluster import PUSH_S
@@ -375,7 +375,7 @@ def report(path: str | Path) -> str:
         for r in rows
         if r["concurrency"] == 1
     }
-    lines = _preamble(head, ray=any(r.get("replicas") for r in records))
+    lines = _preamble(head, machines(path), ray=any(r.get("replicas") for r in records))
     lines += [_level_row(r, base.get((r.get("replicas", 0), r["method"]))) for r in rows]
     if any(r["method"].startswith("auto") for r in rows):
         lines += _auto_against_fixed(rows)
@@ -426,8 +426,9 @@ def _over(r: dict[str, Any] | None, base: dict[str, Any] | None) -> str:
     return f"{r['tokens_per_second'] / base['tokens_per_second']:.2f}x" if r and base else "-"
 
 
-def _preamble(head: dict[str, Any], ray: bool) -> list[str]:
-    """The title, the machine, what was run and what each column means, the table's head."""
+def _preamble(head: dict[str, Any], ran: list[dict[str, Any]], ray: bool) -> list[str]:
+    """The title, the machines it `ran` on, what was run and what each column means, the table's
+    head."""
     plan = head.get("plan", {})
     models = head.get("models", {})
     servers = (
@@ -438,7 +439,7 @@ def _preamble(head: dict[str, Any], ray: bool) -> list[str]:
     return [
         "# smcspec serve under concurrent clients",
         "",
-        f"Machine: {one_line(head['machine'])}." if "machine" in head else "Machine: ?",
+        f"Machine: {ran_on(ran)}.",
         "",
         f"Models: target {models.get('target', '?')}, draft {models.get('draft', '?')}; "
         f"{servers}; {plan.get('requests')} chat "

@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from smcspec.bench import machine, report
 from smcspec.bench.contenders import Contender, run
-from smcspec.bench.results import ResultLog, measurements
+from smcspec.bench.results import ResultLog, machines, measurements
 from smcspec.bench.tasks import PROMPT_SETS, prompt_texts
 
 
@@ -130,7 +130,7 @@ def write_speed_report(out_dir: str | Path) -> list[dict]:
     path = out / "speed.jsonl"
     rows = report.speed_summary(measurements(path))
     hdr = report.header_of(path)
-    title = report.speed_caption(hdr)
+    title = report.speed_caption(hdr, machines(path))
     text = f"{title}\n\n{report.speed_table(rows)}"
     if any(r["method"] in ("msd", "auto", "auto-approx") for r in rows):
         cells = report.best_fixed_table(report.best_fixed(rows))

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from smcspec.bench import report
-from smcspec.bench.machine import one_line
+from smcspec.bench.machine import ran_on
 from smcspec.bench.results import header, machines, measurements
 
 # Markers stand on lines of their own, so prose may quote one in backticks.
@@ -66,8 +66,7 @@ def caption(path: Path, root: Path) -> str:
 
 def where(path: Path) -> str:
     """The header's machine, and any a resumed run moved to."""
-    first, *later = machines(path)
-    return one_line(first) + "".join(f", resumed on {one_line(m)}" for m in later)
+    return ran_on(machines(path))
 
 
 def markdown_table(path: Path, index: int = 0) -> str:

@@ -293,3 +293,24 @@ def test_best_fixed_names_the_fastest_setting_per_cell_and_auto_s_ratios():
         "| 0.70 | 1.07x |"
     )
     assert table[3].startswith("| 1.0 | 2 | ar | 10.00 | 0.95x | 0.95x | ar | 10.00 | - |")
+
+
+def test_every_caption_names_the_machines_in_the_order_they_ran():
+    from smcspec.bench.machine import ran_on
+
+    boxes = [
+        {
+            "cpu": cpu,
+            "cores": 2,
+            "torch_threads": 2,
+            "gpu": None,
+            "device": "cpu",
+            "torch": "2.13.0+cpu",
+            "precision": "int8",
+        }
+        for cpu in ("Xeon", "EPYC", "Ryzen")
+    ]
+    assert ran_on([]) == "unknown machine"
+    assert ran_on(boxes[:1]).startswith("Xeon (2 cores") and "resumed" not in ran_on(boxes[:1])
+    said = report.speed_caption({"plan": {"prompts": 3}}, boxes)
+    assert said.index("Xeon") < said.index("resumed on EPYC") < said.index("resumed on Ryzen")

@@ -352,6 +352,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "cpu/gsm8k-epyc": lambda root: accuracy(root, "cpu/gsm8k", "cpu/gsm8k-n4"),
     "cpu/gsm8k-heldout": lambda root: accuracy(root, "cpu/gsm8k-heldout"),
     "cpu/math500": lambda root: accuracy(root, "cpu/math500"),
+    "cpu/math500-heldout": lambda root: accuracy(root, "cpu/math500-heldout"),
     "cpu/humaneval": lambda root: accuracy(root, "cpu/humaneval-int8"),
     "cpu/gsm8k-settings": lambda root: accuracy(root, "cpu/gsm8k-k4", "cpu/gsm8k-threshold"),
     "cpu/json": lambda root: written(root, "cpu/json/json.md"),

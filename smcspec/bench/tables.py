@@ -354,6 +354,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "cpu/math500": lambda root: accuracy(root, "cpu/math500"),
     "cpu/math500-heldout": lambda root: accuracy(root, "cpu/math500-heldout"),
     "cpu/humaneval": lambda root: accuracy(root, "cpu/humaneval-int8"),
+    "cpu/humaneval-heldout": lambda root: accuracy(root, "cpu/humaneval-heldout"),
     "cpu/gsm8k-settings": lambda root: accuracy(root, "cpu/gsm8k-k4", "cpu/gsm8k-threshold"),
     "cpu/json": lambda root: written(root, "cpu/json/json.md"),
     "cpu/fidelity": lambda root: written(root, "cpu/int8-kernel/groups/g32/fidelity.md"),

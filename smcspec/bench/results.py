@@ -16,7 +16,7 @@ class ResultLog:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         records = read(self.path)
-        self.done = {r["key"] for r in records if "key" in r}
+        self.done = _keys(records)
         self.moved: dict[str, Any] | None = None  # written before the first record it explains
         if not self.path.exists() or self.path.stat().st_size == 0:
             self._write({"kind": "header", **header})
@@ -31,7 +31,7 @@ class ResultLog:
     @staticmethod
     def existing(path: str | Path) -> set[str]:
         """The keys a result file holds already."""
-        return {r["key"] for r in read(path) if "key" in r}
+        return _keys(read(path))
 
     def has(self, key: str) -> bool:
         return key in self.done
@@ -79,6 +79,10 @@ def machines(path: str | Path) -> list[dict[str, Any]]:
     """The machines a result file's records ran on, in order: its header's, then each one a
     resumed run moved to."""
     return _machines(read(path))
+
+
+def _keys(records: list[dict[str, Any]]) -> set[str]:
+    return {r["key"] for r in records if "key" in r}
 
 
 def _machines(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -67,25 +67,27 @@ def test_a_run_resumed_on_another_machine_says_so_once(tmp_path):
     assert [r["v"] for r in measurements(path)] == [1, 2, 3]
 
 
+def _box(cpu: str) -> dict:
+    """A machine as `machine.describe` records it, named by its CPU."""
+    return {
+        "cpu": cpu,
+        "cores": 2,
+        "torch_threads": 2,
+        "gpu": None,
+        "device": "cpu",
+        "torch": "2.13.0+cpu",
+        "precision": "int8, native backend",
+    }
+
+
 def test_a_tables_caption_names_the_machine_a_run_resumed_on(tmp_path):
     from smcspec.bench import tables
 
-    def box(cpu):
-        return {
-            "cpu": cpu,
-            "cores": 2,
-            "torch_threads": 2,
-            "gpu": None,
-            "device": "cpu",
-            "torch": "2.13.0+cpu",
-            "precision": "int8, native backend",
-        }
-
     models = {"target": "T", "draft": "D"}
     path = tmp_path / "run" / "accuracy.jsonl"
-    ResultLog(path, {"machine": box("Xeon"), "models": models}).add("a", {"v": 1})
+    ResultLog(path, {"machine": _box("Xeon"), "models": models}).add("a", {"v": 1})
     assert "resumed" not in tables.caption(path, tmp_path)
-    ResultLog(path, {"machine": box("EPYC"), "models": models}).add("b", {"v": 2})
+    ResultLog(path, {"machine": _box("EPYC"), "models": models}).add("b", {"v": 2})
     said = tables.caption(path, tmp_path)
     assert said.index("Xeon") < said.index("resumed on EPYC"), said
 
@@ -298,18 +300,7 @@ def test_best_fixed_names_the_fastest_setting_per_cell_and_auto_s_ratios():
 def test_every_caption_names_the_machines_in_the_order_they_ran():
     from smcspec.bench.machine import ran_on
 
-    boxes = [
-        {
-            "cpu": cpu,
-            "cores": 2,
-            "torch_threads": 2,
-            "gpu": None,
-            "device": "cpu",
-            "torch": "2.13.0+cpu",
-            "precision": "int8",
-        }
-        for cpu in ("Xeon", "EPYC", "Ryzen")
-    ]
+    boxes = [_box(cpu) for cpu in ("Xeon", "EPYC", "Ryzen")]
     assert ran_on([]) == "unknown machine"
     assert ran_on(boxes[:1]).startswith("Xeon (2 cores") and "resumed" not in ran_on(boxes[:1])
     said = report.speed_caption({"plan": {"prompts": 3}}, boxes)

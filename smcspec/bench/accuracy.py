@@ -83,7 +83,7 @@ def run_accuracy(
     with bar:
         for chunk, c in todo:
             ids = [llm.encode(the_task.prompt(p), chat=True) for p in chunk]
-            results = _decode(llm, plan, c, chunk, ids)
+            results = decode_chunk(llm, plan, c, chunk, ids)
             for problem, prompt, result in zip(chunk, ids, results, strict=True):
                 verdict = the_task.check(problem, result["text"], plan.timeout)
                 log.add(
@@ -93,9 +93,10 @@ def run_accuracy(
     return write_accuracy_report(out)
 
 
-def _decode(llm, plan: AccuracyPlan, c: Contender, chunk: list[dict], ids: list) -> list[dict]:
+def decode_chunk(llm, plan, c: Contender, chunk: list[dict], ids: list) -> list[dict]:
     """Problem i runs with seed + i: a chunk of consecutive problems in one batch (which seeds
-    its k-th prompt with seed + k), any other one by one."""
+    its k-th prompt with seed + k), any other one by one. plan: its temperature, new_tokens
+    and seed (`AccuracyPlan`, `bench.law.LawPlan`)."""
     first = chunk[0]["index"]
     if len(chunk) > 1 and [p["index"] for p in chunk] == list(range(first, first + len(chunk))):
         return run_batch(llm, c, ids, plan.temperature, plan.new_tokens, True, plan.seed + first)

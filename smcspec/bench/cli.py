@@ -9,6 +9,7 @@ from pathlib import Path
 from smcspec.bench.cli_accuracy import add_accuracy, run_accuracy_args
 from smcspec.bench.cli_grid import T_DEFAULT, floats, grid_from_args, precision
 from smcspec.bench.cli_grid import add_grid_options as _add_grid_options
+from smcspec.bench.cli_law import add_law, run_law_args
 from smcspec.bench.contenders import LLAMA_CPP, build_grid, parse_ints
 from smcspec.bench.tasks import prompt_texts
 from smcspec.cli_common import (
@@ -26,6 +27,7 @@ def add_parser(sub) -> None:
         _add_speed,
         _add_roofline,
         add_accuracy,
+        add_law,
         _add_engine,
         _add_gpu,
         _add_fidelity,
@@ -173,6 +175,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "speed": _speed,
         "roofline": _roofline,
         "accuracy": run_accuracy_args,
+        "law": run_law_args,
         "engine": _engine,
         "gpu": _gpu,
         "fidelity": _fidelity,

@@ -357,6 +357,8 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "cpu/humaneval-heldout": lambda root: accuracy(root, "cpu/humaneval-heldout"),
     "cpu/gsm8k-settings": lambda root: accuracy(root, "cpu/gsm8k-k4", "cpu/gsm8k-threshold"),
     "cpu/json": lambda root: written(root, "cpu/json/json.md"),
+    "cpu/law": lambda root: written(root, "cpu/law/law.md"),
+    "cpu/law-384": lambda root: written(root, "cpu/law-384/law.md"),
     "cpu/fidelity": lambda root: written(root, "cpu/int8-kernel/groups/g32/fidelity.md"),
     "gpu/estimate": lambda root: written(root, "gpu/estimate.md"),
     "gpu/estimate-e2e": lambda root: written(root, "gpu/estimate.md", 1),

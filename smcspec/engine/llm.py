@@ -234,7 +234,9 @@ class LLM:
         **settings: Any,
     ) -> list[GenerationResult]:
         """`generate` for every prompt at once: the requests share batched forward passes
-        (continuous batching, see `engine.scheduler`), each exactly as it would decode alone.
+        (continuous batching, see `engine.scheduler`), each with the law it has alone (the
+        same tokens but where a batched pass rounds differently from a lone one), and the same
+        tokens from run to run (the jobs start together: `Scheduler.submit_all`).
         Results come in prompt order; with a `seed`, prompt i uses seed + i. Every request is
         checked before any runs. `max_running` / `max_batch_tokens` override `llm.limits`'s for
         this call."""
@@ -249,7 +251,7 @@ class LLM:
             (self.target, self.draft), limits.max_running, limits.max_batch_tokens
         )
         try:
-            jobs = [scheduler.submit(self.job(r)) for r in requests]
+            jobs = scheduler.submit_all([self.job(r) for r in requests])
             return [job.future.result() for job in jobs]
         finally:
             scheduler.shutdown()

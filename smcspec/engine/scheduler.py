@@ -61,6 +61,7 @@ class Job:
         self.rows = tuple(rows)
         self.max_length = max_length
         self.future: Future = Future()
+        self.number = -1  # its place in the admission order, set when it starts
         self._cancelled = threading.Event()
 
     def cancel(self) -> None:
@@ -84,6 +85,8 @@ class _Call:
     error: BaseException | None = None
     fed: int = 0  # tokens per row already run (a long call runs in pieces)
     finished: bool = False
+    job: int = -1  # its job's `number`: a pass orders its calls by it
+    left_over: bool = False  # waiting since a pass it did not finish in
 
 
 class _View:
@@ -103,7 +106,8 @@ class _View:
     def forward(self, tokens: torch.Tensor, cache: KVCache, num_logits: int) -> torch.Tensor:
         if self._job.cancelled:
             raise Cancelled("the request was cancelled")
-        return self._scheduler._call(_Call(self._index, tokens, cache, num_logits))
+        call = _Call(self._index, tokens, cache, num_logits, job=self._job.number)
+        return self._scheduler._call(call)
 
 
 @dataclass
@@ -132,10 +136,12 @@ class Scheduler:
     pool are only limited by `max_running`.
 
     Chunked prefill: a pass over a model carries at most `max_batch_tokens` tokens (rows x
-    tokens), oldest calls first; a call too long for the room left (a prompt) runs in pieces
-    over several passes, so one long prompt does not stall every other request's next token.
-    The oldest call always runs, so every call makes progress. On a CPU, linears are also
-    fastest per token at a few hundred rows.
+    tokens): the calls left over from the last pass first, then the others, each group by job
+    in admission order (not by which job's thread called first: the same jobs share the same
+    passes every run). A call too long for the room left (a prompt) runs in pieces over
+    several passes, so one long prompt does not stall every other request's next token. The
+    first call always runs, and a call left over goes first next time: every call progresses.
+    On a CPU, linears are also fastest per token at a few hundred rows.
     """
 
     def __init__(
@@ -156,6 +162,7 @@ class Scheduler:
         self._queue: deque[Job] = deque()
         self._running: set[Job] = set()
         self._computing = 0  # running jobs not waiting on a forward pass
+        self._admitted = 0  # jobs started so far: the next one's `number`
         self._calls: list[_Call] = []
         self._reserved = [0] * len(self.models)
         self._stopping = False
@@ -194,6 +201,24 @@ class Scheduler:
     def submit(self, job: Job) -> Job:
         """Queue `job`; it starts as soon as admission allows. A job that could never fit (more
         pages than a pool holds) is refused with ValueError."""
+        return self.submit_all([job])[0]
+
+    def submit_all(self, jobs: Sequence[Job]) -> list[Job]:
+        """`submit` for several jobs at once: all are queued, in order, before any starts, so
+        the passes they share are the same from run to run (jobs submitted one by one race the
+        scheduler for their first pass). Nothing is queued if one is refused."""
+        for job in jobs:
+            self._refuse_oversized(job)
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("the scheduler is shut down")
+            if self._death is not None:
+                raise self._dead_error()
+            self._queue.extend(jobs)
+            self._admit()
+        return list(jobs)
+
+    def _refuse_oversized(self, job: Job) -> None:
         for i, need in enumerate(self._pages(job)):
             cap = self.capacity(i)
             if cap is not None and need > cap:
@@ -203,14 +228,6 @@ class Scheduler:
                     "particles, or give a larger pool (--kv-pages or --kv-memory; "
                     "EngineLimits.kv_pages or kv_memory)"
                 )
-        with self._cond:
-            if self._stopping:
-                raise RuntimeError("the scheduler is shut down")
-            if self._death is not None:
-                raise self._dead_error()
-            self._queue.append(job)
-            self._admit()
-        return job
 
     @property
     def alive(self) -> bool:
@@ -260,6 +277,7 @@ class Scheduler:
                 self.stats.cancelled += 1
                 continue
             self._running.add(job)
+            job.number, self._admitted = self._admitted, self._admitted + 1
             self._reserved = [r + p for r, p in zip(self._reserved, self._pages(job), strict=True)]
             self._computing += 1
             worker = threading.Thread(target=self._run, args=(job,), daemon=True)
@@ -350,7 +368,9 @@ class Scheduler:
         the calls it was serving."""
         with self._cond:
             self._cond.wait_for(lambda: self._stopping or (self._calls and not self._computing))
-            calls[:], self._calls = self._calls, []
+            # left-over calls first, then by job: not by which thread woke first
+            calls[:] = sorted(self._calls, key=lambda c: (not c.left_over, c.job))
+            self._calls = []
             if self._stopping:
                 for call in calls:
                     call.error = Cancelled("the server is shutting down")
@@ -363,8 +383,11 @@ class Scheduler:
                 call.error, call.finished = err, True
             finished = list(calls)
         with self._cond:
-            # unfinished calls (pieces still to run) stay first, in their order
-            self._calls = [c for c in calls if not c.finished] + self._calls
+            # unfinished calls (pieces still to run) go first next time
+            left = [c for c in calls if not c.finished]
+            for c in left:
+                c.left_over = True
+            self._calls = left + self._calls
             self._computing += len(finished)
             calls.clear()
         for call in finished:

@@ -233,6 +233,30 @@ def test_generate_batch_gives_what_generate_gives_prompt_by_prompt(llm):
     assert llm.target.pages.used_pages == 0
 
 
+def test_the_same_batch_shares_the_same_passes_every_run(llm, monkeypatch):
+    """Jobs submitted together all start before the first pass, and a pass takes its calls by
+    job, not by which job's thread called first: run after run the passes are the same, so the
+    rounding of a batched pass (a real model's differs from a lone pass's) cannot make the same
+    seeds give other tokens. Before, the first prompt often ran alone and calls joined in the
+    order their threads woke: on the int8 pair sd changed tokens from run to run."""
+    passes: list[list] = []
+    real = llm.target.forward_many
+
+    def recording(calls):
+        passes[-1].append([tuple(tokens.flatten().tolist()) for tokens, _, _ in calls])
+        return real(calls)
+
+    monkeypatch.setattr(llm.target, "forward_many", recording)
+    prompts = [[3, 4, 5], [6], [7, 8, 9, 10, 11], [4, 4]]
+    settings = dict(draft_tokens=2, max_new_tokens=8, stop_at_eos=False, max_batch_tokens=6)
+    runs = []
+    for _ in range(6):
+        passes.append([])
+        runs.append([o.token_ids for o in llm.generate_batch(prompts, "sd", seed=3, **settings)])
+    assert all(p == passes[0] for p in passes) and all(r == runs[0] for r in runs)
+    assert len(passes[0][0]) > 1  # the jobs started together and shared the first pass
+
+
 class _Flaky:
     """`model`, except that a pass carrying a cache in `poisoned` raises once it has run (after
     its KV writes, as a fault found on the device would): the scheduler must undo and isolate."""

@@ -13,13 +13,7 @@ from smcspec.cli_common import command, llm_from_args
 def add_accuracy(bsub) -> None:
     acc = command(bsub, "accuracy", "pass@1 with 95% CI, paired against ar, and speed")
     add_grid_options(acc, ["ar", "sd", "smc"], "4")
-    acc.add_argument(
-        "--task",
-        choices=list(TASKS),
-        default="humaneval",
-        help="humaneval, gsm8k, math500 (needs smcspec[eval]) or mbpp; data fetched on first use",
-    )
-    acc.add_argument("--temperature", type=float, default=T_DEFAULT, help="sampling temperature")
+    add_task_options(acc, "data fetched on first use")
     acc.add_argument(
         "--problems",
         default=None,
@@ -48,6 +42,17 @@ def add_accuracy(bsub) -> None:
         help="problems decoded at once, sharing batched passes (each decodes as it would "
         "alone, with its own seed; tok/s is then per problem under that load)",
     )
+
+
+def add_task_options(p: argparse.ArgumentParser, about: str) -> None:
+    """--task (`about` it ends its help) and --temperature, as every task-driven bench has."""
+    p.add_argument(
+        "--task",
+        choices=list(TASKS),
+        default="humaneval",
+        help=f"humaneval, gsm8k, math500 (needs smcspec[eval]) or mbpp; {about}",
+    )
+    p.add_argument("--temperature", type=float, default=T_DEFAULT, help="sampling temperature")
 
 
 def problem_slice(text: str | None, offset: int, limit: int) -> tuple[int, int]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from smcspec.bench.cli_accuracy import problem_slice
-from smcspec.bench.cli_grid import T_DEFAULT, add_grid_options, grid_from_args, precision
+from smcspec.bench.cli_accuracy import add_task_options, problem_slice
+from smcspec.bench.cli_grid import add_grid_options, grid_from_args, precision
 from smcspec.bench.tasks import TASKS
 from smcspec.cli_common import command, llm_from_args
 
@@ -15,13 +15,7 @@ def add_law(bsub) -> None:
         bsub, "law", "do a method's texts follow the target's law? (each token scored afresh)"
     )
     add_grid_options(law, ["ar", "sd"], "2")
-    law.add_argument(
-        "--task",
-        choices=list(TASKS),
-        default="humaneval",
-        help="whose prompts (chat template, as bench accuracy); never the held-out ones",
-    )
-    law.add_argument("--temperature", type=float, default=T_DEFAULT, help="sampling temperature")
+    add_task_options(law, "its prompts as bench accuracy's, never the held-out ones")
     law.add_argument("--problems", default="0:32", help="a slice of the task's prompts, START:END")
     law.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per text")
     law.add_argument(
@@ -30,7 +24,7 @@ def add_law(bsub) -> None:
 
 
 def run_law_args(args: argparse.Namespace) -> int:
-    from smcspec.bench.law import LawPlan, run_law
+    from smcspec.bench.law import LawPlan, check_folder, run_law
 
     offset, limit = problem_slice(args.problems, 0, 0)
     plan = LawPlan(
@@ -43,6 +37,7 @@ def run_law_args(args: argparse.Namespace) -> int:
         args.task,
         args.batch,
     )
+    check_folder(plan, args.out)
     TASKS[plan.task].load(args.cache_dir)  # fetched and checked before any model loads
     llm = llm_from_args(args, None)
     print(run_law(llm, plan, args.out, precision(llm), args.cache_dir))

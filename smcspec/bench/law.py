@@ -126,6 +126,7 @@ def summary(records: list[dict]) -> dict:
 def run_law(llm, plan: LawPlan, out_dir, precision: str = "float32", cache_dir=None) -> str:
     """Generate, score and append each text to law.jsonl (a rerun resumes); write law.md."""
     out = Path(out_dir)
+    check_folder(plan, out)
     the_task = task(plan.task)
     problems = the_task.problems(plan.offset, plan.limit, False, cache_dir)
     log = ResultLog(out / "law.jsonl", machine.run_header(llm, precision, plan))
@@ -154,6 +155,21 @@ def run_law(llm, plan: LawPlan, out_dir, precision: str = "float32", cache_dir=N
                 )
                 bar.update()
     return write_law_report(out)
+
+
+def check_folder(plan: LawPlan, out_dir) -> None:
+    """One folder, one setting: law.md titles its table with the task, temperature and length
+    of the file's first run, so a run at another one must go elsewhere (checked before any
+    model loads)."""
+    path = Path(out_dir) / "law.jsonl"
+    if not path.exists():
+        return
+    was = report.header_of(path).get("plan", {})
+    mine = {"task": plan.task, "temperature": plan.temperature, "max_new_tokens": plan.new_tokens}
+    if differ := [f"{k} {was.get(k)!r}" for k, v in mine.items() if was.get(k) != v]:
+        raise ValueError(
+            f"{path} holds texts of {', '.join(differ)}, not this run's: give it its own --out"
+        )
 
 
 def pit_generator(key: str) -> torch.Generator:

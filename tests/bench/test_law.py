@@ -116,6 +116,10 @@ def test_the_run_on_toy_models_writes_a_row_per_method_and_batch_and_resumes(tmp
     (tmp_path / "law.jsonl").write_text("\n".join(lines[:-1]) + "\n")
     law.run_law(llm, dataclasses.replace(plan, batch=2), tmp_path)
     assert [r["key"] for r in measurements(tmp_path / "law.jsonl")] == [r["key"] for r in records]
+    # another length or temperature would sit under the first run's title: refused
+    for other in ({"max_new_tokens": 6}, {"temperature": 1.0}):
+        with pytest.raises(ValueError, match="give it its own --out"):
+            law.run_law(llm, dataclasses.replace(plan, **other), tmp_path)
 
 
 def test_the_pit_uniforms_are_not_the_ones_the_text_was_drawn_with(tmp_path):

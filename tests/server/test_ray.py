@@ -49,6 +49,23 @@ class Replicas:
         return {r["replica"]: r for r in self.health().get("replicas", [])}
 
 
+def start_serve(tries: int = 3) -> int:
+    """Serve's HTTP proxy on a free port; its port. The port is free when picked, but Ray starts
+    processes before the proxy binds it, and one of them (or another test's) can take it first
+    (CI saw "Failed to bind to address"): then again on another port."""
+    for attempt in range(1, tries + 1):
+        port = free_port()
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+        except Exception as err:
+            if "Failed to bind" not in str(err) or attempt == tries:
+                raise
+            serve.shutdown()
+        else:
+            return port
+    raise ValueError(f"tries must be >= 1, got {tries}")
+
+
 @pytest.fixture(scope="module")
 def replicas(tiny_llama_folder, tiny_llama_draft_folder, tiny_llm):
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
@@ -64,8 +81,7 @@ def replicas(tiny_llama_folder, tiny_llama_draft_folder, tiny_llm):
     )
     try:
         hub = ray_app.start_hub()
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        port = start_serve()
         llm = {"target": str(tiny_llama_folder), "draft": str(tiny_llama_draft_folder)}
         llm |= {"dtype": "float32", "backend": "native"}
         # Float sums depend on the thread count: the replicas compute as this process does.

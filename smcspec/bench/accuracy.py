@@ -57,14 +57,18 @@ def target_logp(llm, prompt_ids: list[int], new_ids: list[int]) -> float | None:
     """Mean log p_target(token | prefix) over the generated tokens (temperature 1, untruncated)."""
     if not new_ids:
         return None
-    seq = torch.tensor([prompt_ids + new_ids])
-    cache = llm.target.new_cache()
+    logp = torch.log_softmax(new_token_logits(llm.target, prompt_ids, new_ids).double(), dim=-1)
+    return float(logp.gather(-1, torch.tensor(new_ids)[:, None]).mean())
+
+
+def new_token_logits(model, prompt_ids: list[int], new_ids: list[int]) -> torch.Tensor:
+    """The logits [n, V] that predict each of the n new tokens, from one fresh pass of `model`
+    over prompt + new tokens."""
+    cache = model.new_cache()
     try:
-        logits = llm.target.forward(seq, cache, len(new_ids) + 1)[0, :-1]  # predicts each new
+        return model.forward(torch.tensor([prompt_ids + new_ids]), cache, len(new_ids) + 1)[0, :-1]
     finally:
         cache.release()  # its pages back to the pool (a long run held them all: issue 29)
-    logp = torch.log_softmax(logits.double(), dim=-1)
-    return float(logp.gather(-1, torch.tensor(new_ids)[:, None]).mean())
 
 
 def run_accuracy(

@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from smcspec import sampling
 from smcspec.bench import machine, report
-from smcspec.bench.accuracy import decode_chunk
+from smcspec.bench.accuracy import decode_chunk, new_token_logits
 from smcspec.bench.contenders import OURS, Contender
 from smcspec.bench.results import ResultLog, machines, measurements
 from smcspec.bench.tasks import check_slice, task
@@ -80,12 +80,7 @@ def score(model, prompt_ids: list[int], new_ids: list[int], temperature: float, 
     `new_cache` and `forward`); generator draws the PIT's uniforms."""
     if not new_ids:
         return {"tokens": 0, "score": 0.0, "variance": 0.0, "pit": []}
-    cache = model.new_cache()
-    try:  # the logits that predict each new token
-        logits = model.forward(torch.tensor([prompt_ids + new_ids]), cache, len(new_ids) + 1)
-    finally:
-        cache.release()
-    logp = sampling.log_probs(logits[0, :-1].double(), temperature)  # [n, V]
+    logp = sampling.log_probs(new_token_logits(model, prompt_ids, new_ids).double(), temperature)
     p = logp.exp()
     x = torch.tensor(new_ids)[:, None]  # [n, 1]
     seen = p > 0  # 0 * log 0 is 0

@@ -41,3 +41,7 @@ $bin/smcspec bench accuracy --methods ar smc --smc-n 4 --smc-k 4 --smc-power 2,4
 $bin/smcspec bench json --particles 4 -k 4 --reps 2 --max-new-tokens 96 --out "$out/json"
 # 9. the server under 1, 4 and 16 concurrent clients against the same requests one at a time
 $bin/smcspec bench serve --concurrency 1,4,16 --requests 16 --max-tokens 32 --out "$out/serve"
+# 10. does what each method returns follow the target's law? GSM8K prompts, every token rescored
+law=($bin/smcspec bench law --task gsm8k --dtype int8 --max-new-tokens 128 --batch 4 --out "$out/law")
+"${law[@]}" --methods ar sd --sd-k 4 --problems 0:96
+"${law[@]}" --methods smc --smc-n 2 --smc-k 8 --problems 0:32

@@ -17,6 +17,7 @@ from smcspec.bench.contenders import OURS, Contender, run, run_batch
 from smcspec.bench.results import ResultLog, machines, measurements
 from smcspec.bench.tasks import TASKS, check_slice, task
 from smcspec.config import SamplingConfig
+from smcspec.engine import fresh_logits
 
 
 @dataclass(frozen=True)
@@ -64,11 +65,8 @@ def target_logp(llm, prompt_ids: list[int], new_ids: list[int]) -> float | None:
 def new_token_logits(model, prompt_ids: list[int], new_ids: list[int]) -> torch.Tensor:
     """The logits [n, V] that predict each of the n new tokens, from one fresh pass of `model`
     over prompt + new tokens."""
-    cache = model.new_cache()
-    try:
-        return model.forward(torch.tensor([prompt_ids + new_ids]), cache, len(new_ids) + 1)[0, :-1]
-    finally:
-        cache.release()  # its pages back to the pool (a long run held them all: issue 29)
+    # a fresh cache released after the pass: a long run once held every page of the pool
+    return fresh_logits(model, prompt_ids + new_ids, len(new_ids) + 1)[:-1]
 
 
 def run_accuracy(

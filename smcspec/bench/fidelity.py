@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from smcspec.bench import machine
-from smcspec.engine import CausalLM, loading
+from smcspec.engine import CausalLM, fresh_logits, loading
 
 README_PROMPTS = (
     "Write a Python function that checks if a number is prime.",
@@ -27,15 +27,6 @@ README_PROMPTS = (
 def _load(spec: str, dtype: str) -> CausalLM:
     """The model of `spec` on the native engine, eager, on the CPU."""
     return loading.load_native(spec, dtype)[0]
-
-
-def _all_logits(model: CausalLM, ids: list[int]) -> torch.Tensor:
-    """Next-token logits at every position of ids: [L, V]."""
-    cache = model.new_cache()
-    try:
-        return model.forward(torch.tensor([ids]), cache, len(ids))[0]
-    finally:
-        cache.release()
 
 
 def _greedy(model: CausalLM, ids: list[int], n: int) -> list[int]:
@@ -54,13 +45,13 @@ def _greedy(model: CausalLM, ids: list[int], n: int) -> list[int]:
 def measure(spec: str, prompts: list[list[int]], dtype: str, new_tokens: int) -> dict:
     reference = _load(spec, "float32")
     texts = [_greedy(reference, ids, new_tokens) for ids in prompts]
-    ref_logp = [torch.log_softmax(_all_logits(reference, ids), -1) for ids in texts]
+    ref_logp = [torch.log_softmax(fresh_logits(reference, ids, len(ids)), -1) for ids in texts]
     del reference
     gc.collect()
     low = _load(spec, dtype)
     kls, agree = [], 0
     for ids, lp in zip(texts, ref_logp, strict=True):
-        lq = torch.log_softmax(_all_logits(low, ids), -1)
+        lq = torch.log_softmax(fresh_logits(low, ids, len(ids)), -1)
         kls += (lp.exp() * (lp - lq)).sum(-1).clamp_min(0).tolist()
         agree += int((lp.argmax(-1) == lq.argmax(-1)).sum())
     return {

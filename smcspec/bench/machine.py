@@ -39,7 +39,7 @@ def ran_on(machines: list[dict]) -> str:
     """Where a result file's records ran: its header's machine, then each one a resumed run moved
     to."""
     if not machines:
-        return "unknown machine"
+        return "machine not recorded"
     first, *later = machines
     return one_line(first) + "".join(f", resumed on {one_line(m)}" for m in later)
 

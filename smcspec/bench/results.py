@@ -75,6 +75,12 @@ def header(path: str | Path) -> dict[str, Any]:
     return next((r for r in read(path) if r.get("kind") == "header"), {})
 
 
+def provenance(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A result file's header and the machines its records ran on, from one read."""
+    records = read(path)
+    return next((r for r in records if r.get("kind") == "header"), {}), _machines(records)
+
+
 def machines(path: str | Path) -> list[dict[str, Any]]:
     """The machines a result file's records ran on, in order: its header's, then each one a
     resumed run moved to."""

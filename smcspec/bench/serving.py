@@ -439,7 +439,7 @@ def _preamble(head: dict[str, Any], ran: list[dict[str, Any]], ray: bool) -> lis
     return [
         "# smcspec serve under concurrent clients",
         "",
-        f"Machine: {ran_on(ran)}.",
+        f"Machine: {ran_on(ran) if ran else 'not recorded'}.",
         "",
         f"Models: target {models.get('target', '?')}, draft {models.get('draft', '?')}; "
         f"{servers}; {plan.get('requests')} chat "

@@ -28,7 +28,7 @@ from typing import Any
 
 from smcspec.bench import report
 from smcspec.bench.machine import ran_on
-from smcspec.bench.results import header, machines, measurements
+from smcspec.bench.results import header, measurements, provenance
 
 # Markers stand on lines of their own, so prose may quote one in backticks.
 MARKER = re.compile(
@@ -60,13 +60,15 @@ def caption(path: Path, root: Path) -> str:
         first = path.read_text().splitlines()[0]
         said = "" if first.startswith("#") else f": {first}"
         return f"*Source: `{rel}`{said}*\n\n"
-    hdr = header(path)
-    return f"*Source: `{rel}`; {where(path)}; {report.models_line(hdr)}.*\n\n"
+    machine, models = source(path)
+    return f"*Source: `{rel}`; {machine}; {models}.*\n\n"
 
 
-def where(path: Path) -> str:
-    """The header's machine, and any a resumed run moved to."""
-    return ran_on(machines(path))
+def source(path: Path) -> tuple[str, str]:
+    """The machine a JSON-lines file's header names (and any a resumed run moved to), and its
+    models, from one read of the file."""
+    hdr, ran = provenance(path)
+    return ran_on(ran), report.models_line(hdr)
 
 
 def markdown_table(path: Path, index: int = 0) -> str:
@@ -279,7 +281,7 @@ def accuracy(root: Path, *runs: str) -> str:
 
 def captions(paths: list[Path], root: Path) -> str:
     """`caption` for several runs: one line when they ran on one machine with one pair."""
-    places = {(where(p), report.models_line(header(p))) for p in paths}
+    places = {source(p) for p in paths}
     if len(paths) < 2 or len(places) > 1:
         return "".join(caption(path, root) for path in paths)
     ((machine, models),) = places

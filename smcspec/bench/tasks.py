@@ -62,8 +62,15 @@ class Task:
         return every[offset:end]
 
 
-def check_slice(task: Task, offset: int, limit: int | None, held_out: bool) -> None:
-    """The slice's bounds and the held-out rule, checked before anything loads."""
+def check_slice(
+    task: Task,
+    offset: int,
+    limit: int | None,
+    held_out: bool,
+    advice: str = "pass --held-out to run them",
+) -> None:
+    """The slice's bounds and the held-out rule, checked before anything loads; `advice` ends
+    the held-out error (what the caller's user may do about it)."""
     if not (isinstance(offset, int) and 0 <= offset < task.size):
         raise ValueError(f"{task.name} has problems 0-{task.size - 1}; offset {offset!r}")
     if limit is not None and not (isinstance(limit, int) and limit >= 1):
@@ -72,7 +79,7 @@ def check_slice(task: Task, offset: int, limit: int | None, held_out: bool) -> N
     if task.held_out is not None and end > task.held_out and not held_out:
         raise ValueError(
             f"{task.name} problems {task.held_out}-{task.size - 1} are held out for checking "
-            f"claims, and {offset}-{end - 1} reaches them; pass --held-out to run them"
+            f"claims, and {offset}-{end - 1} reaches them; {advice}"
         )
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from smcspec import sampling
+from smcspec.models.base import fresh_logits
 
 if TYPE_CHECKING:
     from smcspec.config import SamplingConfig
@@ -108,15 +109,9 @@ def score_prompt_whole(
     reference the chunked path is tested against."""
     if len(prompt) < 2:
         return TokenLogprobs([math.nan], [[]])
-    ids = torch.tensor([prompt])  # [1, L]
-    cache = model.new_cache()
-    try:
-        logits = model.forward(ids[:, :-1], cache, len(prompt) - 1)  # [1, L - 1, V]
-    finally:
-        cache.release()
-    return TokenLogprobs.join(
-        [TokenLogprobs([math.nan], [[]]), _score_block(logits, ids, 0, cfg, top)]
-    )
+    logits = fresh_logits(model, prompt[:-1], len(prompt) - 1)[None]  # [1, L - 1, V]
+    block = _score_block(logits, torch.tensor([prompt]), 0, cfg, top)
+    return TokenLogprobs.join([TokenLogprobs([math.nan], [[]]), block])
 
 
 def _score_fed(

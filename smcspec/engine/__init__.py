@@ -1,8 +1,9 @@
 """The engine: the user-facing `LLM`, the scheduler that batches concurrent requests, model
 loading (`load_pair` and the spec helpers in `loading`), the typed statistics each method
 returns, `start_cache` (a model's cache holding a prompt: what benchmarks time forward
-passes over), and the method table's readers (`decoding.methods`: the methods' names and rows,
-and the one converter from loose settings to typed configs). The command lines, the server and
+passes over), `fresh_logits` (one pass from an empty cache: what benchmarks score texts
+with), and the method table's readers (`decoding.methods`: the methods' names and rows, and
+the one converter from loose settings to typed configs). The command lines, the server and
 the benchmarks import from here."""
 
 from smcspec.decoding.auto import AutoStats, setting_label
@@ -25,7 +26,7 @@ from smcspec.engine.loading import (
     load_pair,
 )
 from smcspec.engine.request import Request
-from smcspec.models.base import CausalLM, PagedModel
+from smcspec.models.base import CausalLM, PagedModel, fresh_logits
 
 __all__ = [
     "BACKENDS",
@@ -44,6 +45,7 @@ __all__ = [
     "Stats",
     "check_same_tokenizer",
     "configs_from_fields",
+    "fresh_logits",
     "gguf_files",
     "load_pair",
     "lookahead",

@@ -81,3 +81,13 @@ def forward_many(
     if isinstance(model, PagedModel):
         return model.forward_many(calls)
     return [model.forward(tokens, cache, n) for tokens, cache, n in calls]
+
+
+def fresh_logits(model: CausalLM, ids: list[int], num_logits: int) -> torch.Tensor:
+    """Next-token logits [num_logits, V] at the last `num_logits` positions of one pass of
+    `model` over `ids` from an empty cache, whose pages go back to the pool however it ends."""
+    cache = model.new_cache()
+    try:
+        return model.forward(torch.tensor([ids]), cache, num_logits)[0]
+    finally:
+        cache.release()

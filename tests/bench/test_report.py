@@ -301,7 +301,7 @@ def test_every_caption_names_the_machines_in_the_order_they_ran():
     from smcspec.bench.machine import ran_on
 
     boxes = [_box(cpu) for cpu in ("Xeon", "EPYC", "Ryzen")]
-    assert ran_on([]) == "unknown machine"
+    assert ran_on([]) == "machine not recorded"
     assert ran_on(boxes[:1]).startswith("Xeon (2 cores") and "resumed" not in ran_on(boxes[:1])
     said = report.speed_caption({"plan": {"prompts": 3}}, boxes)
     assert said.index("Xeon") < said.index("resumed on EPYC") < said.index("resumed on Ryzen")

@@ -111,7 +111,8 @@ def test_native_engine_matches_transformers_on_the_default_pair(role):
 
     import torch
 
-    from smcspec.bench.fidelity import _all_logits, _load
+    from smcspec.bench.fidelity import _load
+    from smcspec.engine import fresh_logits
     from smcspec.models import defaults, hf
 
     folder = str(defaults.ensure(getattr(defaults, f"DEFAULT_{role.upper()}")))
@@ -121,7 +122,7 @@ def test_native_engine_matches_transformers_on_the_default_pair(role):
     expected = model.forward(torch.tensor([ids]), cache, len(ids))[0]
     del model, cache
     gc.collect()
-    got = _all_logits(_load(folder, "float32"), ids)
+    got = fresh_logits(_load(folder, "float32"), ids, len(ids))
     assert (got - expected).abs().max() < 1e-3  # logits span about +-30
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
 

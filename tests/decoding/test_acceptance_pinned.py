@@ -1,6 +1,6 @@
-"""A draft equal to the target is never wrong: sd accepts every draft (acceptance rate exactly 1)
-and smc's weights never move (ESS = N after every round, Z-hat = 1), under every sampling
-setting, since the draft's law is adjusted and truncated as the target's is.
+"""A draft equal to the target is never wrong: sd and msd accept every draft (acceptance rate
+exactly 1) and smc's weights never move (ESS = N after every round, Z-hat = 1), under every
+sampling setting, since the draft's law is adjusted and truncated as the target's is.
 
 Exactness cannot see a regression that makes every draft worse (a draft law a little off only
 costs speed: sd stays exact, smc's weights correct it); these pins can. With q = p each ratio
@@ -8,13 +8,18 @@ p(x) / q(x) is 1 to the last bit (the same logits through the same law), so any 
 any weight spread is a bug, however rare: no tolerance is needed beyond float rounding.
 A draft 1% too hot (measured) has 4 to 24 of a setting's 2,000 sd drafts rejected, and moves
 smc's weights in the first round.
+
+msd's pin also holds its bookkeeping to the walk: every drafted position is accepted, so the
+drafts it commits (`accepted_tokens`, counted after a kept EOS too) are the positions it checked
+(`proposed_tokens`). Committing one draft too few after a kept EOS breaks it on 48 of 100
+"stop at eos" requests.
 """
 
 import pytest
 import torch
 
-from smcspec.config import SamplingConfig, SDConfig, SMCConfig
-from smcspec.decoding import SMCDecoder, SpeculativeDecoder
+from smcspec.config import MSDConfig, SamplingConfig, SDConfig, SMCConfig
+from smcspec.decoding import MultiDraftDecoder, SMCDecoder, SpeculativeDecoder
 from smcspec.models.toy import random_lm
 
 PROMPT = [1, 2]
@@ -64,6 +69,24 @@ def test_sd_accepts_every_draft_of_a_draft_equal_to_the_target(model, name):
         assert out.rounds == 3 and out.stats.proposed_tokens == 2 * K + 2
         assert out.stats.acceptance_rate == 1.0
     assert proposed >= REQUESTS * K  # most requests ran their rounds: the pin has teeth
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_msd_accepts_every_draft_of_a_draft_equal_to_the_target(model, name):
+    """N = 3 drafts a round, each accepted: the walk reaches depth K every full round."""
+    cfg = SETTINGS[name]
+    decoder = MultiDraftDecoder(model, model, MSDConfig(3, K))
+    g = torch.Generator().manual_seed(2)
+    proposed = 0
+    for _ in range(REQUESTS // 2):
+        out = decoder.decode(PROMPT, cfg, g)
+        assert out.stats.accepted_tokens == out.stats.proposed_tokens, out.stats
+        proposed += out.stats.proposed_tokens
+        if cfg.stop_at_eos and out.tokens[-1] in model.eos_token_ids:
+            continue
+        assert out.rounds == 3 and out.stats.proposed_tokens == 2 * K + 2
+        assert out.stats.accepted_lengths == [K, K, 2]
+    assert proposed >= REQUESTS // 2 * K  # most requests ran their rounds: the pin has teeth
 
 
 # q = p at the plain setting is test_smc.py's test_draft_equal_to_target_keeps_uniform_weights.

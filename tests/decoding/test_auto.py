@@ -149,6 +149,18 @@ def test_the_report_names_each_setting_and_what_it_did(target, far_draft):
     assert positions == out.stats.agreement_positions > 0
 
 
+@pytest.mark.parametrize("every", [1, 2, 3, 5])
+def test_auto_chooses_once_and_again_after_every_redecide_every_rounds(target, far_draft, every):
+    """The first round runs the first choice, and each `every` rounds later another is made: r
+    rounds take 1 + (r - 1) // every choices."""
+    settings = (SDConfig(2), ARConfig(), MSDConfig(2, 2))
+    decoder, tuner = auto(target, far_draft, settings, AutoConfig(redecide_every=every))
+    cfg = SamplingConfig(1.0, max_new_tokens=30, stop_at_eos=False)
+    out = decoder.decode(PROMPT, cfg, torch.Generator().manual_seed(4))
+    assert out.rounds > 3 * every  # several re-choices
+    assert len(tuner.outlooks) == 1 + (out.rounds - 1) // every
+
+
 def test_approximate_hands_over_to_smc_and_back_when_its_weights_degenerate(target, far_draft):
     """With a far draft smc's ESS / N falls below the floor: after a few rounds the answer is
     drawn and exact rounds finish the request; the tokens before the hand-over are kept."""

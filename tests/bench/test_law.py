@@ -118,6 +118,11 @@ def test_the_run_on_toy_models_writes_a_row_per_method_and_batch_and_resumes(tmp
     records = measurements(tmp_path / "law.jsonl")
     assert len(records) == 2 * 4 * 2
     assert all(len(r["pit"]) == r["tokens"] for r in records)
+    # two batches of two (problems 0-1, 2-3): each text is the one its problem gets alone, at
+    # seed + its index, in either batch
+    texts = {(r["label"], r["batch"], r["index"]): r["token_ids"] for r in records}
+    alone = {(label, i): ids for (label, b, i), ids in texts.items() if b == 1}
+    assert {(label, i): ids for (label, b, i), ids in texts.items() if b == 2} == alone
     rows = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
     assert [row.split(" | ")[:2] for row in rows[1:]] == [
         ["| ar", "1"],

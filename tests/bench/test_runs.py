@@ -126,15 +126,16 @@ def test_accuracy_run_on_toy_models_resumes_and_pairs_with_ar(llm, tmp_path):
 
 
 def test_a_batched_accuracy_run_gives_each_problem_its_lone_decode(llm, tmp_path):
-    """Three problems two at a time (a batch, then one alone): each with the seed and the
-    tokens it gets run by itself."""
+    """Five problems two at a time (two batches, then one alone): each with the seed and the
+    tokens it gets run by itself. The second batch starts at problem 2, so its seeds must
+    start at seed + 2, not at the first batch's seed."""
     grid = build_grid(["ar", "sd"], [2], [2], [2])
-    plan = accuracy.AccuracyPlan(grid, limit=3, max_new_tokens=6, seed=5)
+    plan = accuracy.AccuracyPlan(grid, limit=5, max_new_tokens=6, seed=5)
     accuracy.run_accuracy(llm, plan, tmp_path / "alone")
     accuracy.run_accuracy(llm, dataclasses.replace(plan, batch=2), tmp_path / "batched")
     alone = {r["key"]: r for r in measurements(tmp_path / "alone" / "accuracy.jsonl")}
     batched = {r["key"]: r for r in measurements(tmp_path / "batched" / "accuracy.jsonl")}
-    assert alone.keys() == batched.keys() and len(alone) == 6
+    assert alone.keys() == batched.keys() and len(alone) == 10
     assert all(batched[k]["completion"] == alone[k]["completion"] for k in alone)
     assert {r["batch"] for r in batched.values()} == {2}
     text = (tmp_path / "batched" / "accuracy.md").read_text()

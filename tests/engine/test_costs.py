@@ -144,17 +144,61 @@ def test_the_cache_round_trips_and_a_thread_count_is_part_of_its_key(tmp_path):
     assert cm.load(key, tmp_path) is None
 
 
-def test_cache_key_names_the_threads_and_the_machine():
-    llm = SimpleNamespace(names=("t", "d"), dtype="int8", target=SimpleNamespace(device="cpu"))
+def _pair(**fields):
+    """What `cache_key` reads of an LLM, float32 on the CPU unless `fields` say otherwise."""
+    names = (fields.pop("target", "t"), fields.pop("draft", "d"))
+    device = SimpleNamespace(device=fields.pop("device", "cpu"))
+    return SimpleNamespace(names=names, target=device, **{"dtype": "float32", **fields})
+
+
+def _threads(n):
     before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    return before
+
+
+# each change: (the pair, threads, machine) it makes, and the key's entries it must change
+KEY_CHANGES = {
+    "target": ({"target": "t2"}, None, None, {"target"}),
+    "draft": ({"draft": "d2"}, None, None, {"draft"}),
+    "dtype": ({"dtype": "bfloat16"}, None, None, {"dtype", "weights"}),
+    "weights' kernel": ({"dtype": "int8", "backend": "hf"}, None, None, {"dtype", "weights"}),
+    "device": ({"device": "meta"}, None, None, {"device"}),
+    "torch threads": ({}, 2, None, {"torch_threads"}),
+    "machine": ({}, None, "another CPU", {"machine"}),
+    # nothing else: the backend of unquantized weights, the draft's device, other attributes
+    "backend (float32)": ({"backend": "hf"}, None, None, set()),
+    "draft's device": ({"draft_device": "meta"}, None, None, set()),
+    "another attribute": ({"tokenizer": object(), "limits": "x"}, None, None, set()),
+}
+
+
+@pytest.mark.parametrize("change", list(KEY_CHANGES))
+def test_the_cost_cache_key_changes_with_each_field_it_names_and_nothing_else(
+    change, tmp_path, monkeypatch
+):
+    """A profile is read back only for the pair, dtype, kernel, device, threads and machine it
+    was timed on; anything else reads it back."""
+    fields, threads, machine, changed = KEY_CHANGES[change]
+    before = _threads(1)
     try:
-        torch.set_num_threads(1)
-        one = cm.cache_key(llm)
-        torch.set_num_threads(2)
-        two = cm.cache_key(llm)
+        key = cm.cache_key(_pair(backend="native"))
+        cm.save(cm.from_measurements({(1, 1): 1.0}, {1: 0.1}, key), tmp_path)
+        if threads is not None:
+            torch.set_num_threads(threads)
+        if machine is not None:
+            monkeypatch.setattr(cm, "cpu_model", lambda: machine)
+        other = cm.cache_key(_pair(**{"backend": "native", **fields}))
     finally:
         torch.set_num_threads(before)
-    assert one != two and one["machine"] == cm.cpu_model()
+    assert (
+        set(other)
+        == set(key)
+        == {"target", "draft", "dtype", "weights", "device", "torch_threads", "machine"}
+    )
+    assert {name for name in key if key[name] != other[name]} == changed
+    assert (cm.load(other, tmp_path) is None) == bool(changed)
+    assert cm.load(key, tmp_path) is not None
 
 
 def test_cache_key_names_the_kernel_quantized_weights_run_on(monkeypatch):

@@ -185,21 +185,21 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
+# A token id has at most this many digits: no vocabulary comes near a billion tokens, and a key
+# of thousands of digits would otherwise cost int() its time (or pass Python's digit limit).
+MAX_TOKEN_ID_DIGITS = 9
+
+
 def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
-    """logit_bias as sorted (token id, bias) pairs, from a mapping (ids may be numeric strings,
-    as in JSON) or pairs; each bias in [-100, 100] as in OpenAI's API."""
+    """logit_bias as sorted (token id, bias) pairs, from a mapping (ids may be strings of ASCII
+    digits, as in JSON) or pairs; each bias in [-100, 100] as in OpenAI's API. An id given twice
+    (5 and "05") is refused rather than one of its biases dropped."""
     items = bias.items() if isinstance(bias, Mapping) else bias
-    pairs = {}
+    pairs: dict[int, float] = {}
     try:
         for key, value in items:  # type: ignore[union-attr]
-            # ASCII digits only: str.isdigit also takes "²", which int() refuses
-            numeric = isinstance(key, str) and key.isascii() and key.strip().isdigit()
-            token = int(key) if numeric else key
-            _require(
-                _is_int(token) and token >= 0,
-                f"logit_bias: {key!r} is not a token id",
-                "logit_bias",
-            )
+            token = _token_id(key)
+            _require(token not in pairs, f"logit_bias: token {token} is given twice", "logit_bias")
             _require(
                 _is_number(value) and -100 <= value <= 100,
                 f"logit_bias: the bias of token {token} must be in [-100, 100], got {value!r}",
@@ -211,6 +211,24 @@ def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
             f"logit_bias must map token ids to numbers, got {bias!r}", "logit_bias"
         ) from err
     return tuple(sorted(pairs.items()))
+
+
+def _token_id(key: object) -> int:
+    """A logit_bias key as a token id: an integer >= 0, or a string of at most
+    MAX_TOKEN_ID_DIGITS ASCII digits and nothing else (str.isdigit alone takes "²", and int()
+    takes " 5" and "+5")."""
+    if isinstance(key, str):
+        digits = key.isascii() and key.isdigit() and len(key) <= MAX_TOKEN_ID_DIGITS
+        shown = key if len(key) <= 20 else f"{key[:20]}... ({len(key)} characters)"
+        _require(
+            digits,
+            f"logit_bias: {shown!r} is not a token id (at most {MAX_TOKEN_ID_DIGITS} ASCII "
+            "digits)",
+            "logit_bias",
+        )
+        return int(key)
+    _require(_is_int(key) and key >= 0, f"logit_bias: {key!r} is not a token id", "logit_bias")
+    return key  # type: ignore[return-value]
 
 
 # Each front end (generate's keywords, the CLI, the server) passes these by name, so a new field

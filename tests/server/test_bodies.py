@@ -171,6 +171,17 @@ def test_a_logit_bias_key_that_is_not_an_ascii_number_gets_a_clear_message(serve
     assert "'\u00b2' is not a token id" in resp.json()["error"]["message"], resp.json()
 
 
+@pytest.mark.parametrize("key", ["5" * 5000, " 5"], ids=["5000-digits", "space-5"])
+def test_a_logit_bias_key_past_the_digits_or_not_bare_digits_is_a_400(served, key):
+    """A key of 5,000 digits was a 500 (int() past Python's digit limit), and " 5" was taken as
+    token 5. Both are 400s naming logit_bias."""
+    body = {"model": MODEL, "prompt": "w1", "max_tokens": 2, "logit_bias": {key: 1}}
+    resp = post(served, "/v1/completions", json.dumps(body).encode())
+    assert resp.status_code == 400, resp.text[:300]
+    error = resp.json()["error"]
+    assert error["param"] == "logit_bias" and "is not a token id" in error["message"], error
+
+
 # -- bounded work -----------------------------------------------------------------------------
 
 

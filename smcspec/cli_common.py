@@ -173,12 +173,14 @@ def _limits(cls: type, args: argparse.Namespace, names: tuple[str, ...]):
         raise ValueError(f"--{name.replace('_', '-')}: {err}") from None
 
 
-def add_resample_threshold(p: argparse.ArgumentParser) -> None:
+def add_resample_threshold(p: argparse.ArgumentParser, default: float | None = None) -> None:
+    """None: not given (smc's own default), so a method that does not read it refuses none."""
     p.add_argument(
         "--resample-threshold",
         type=float,
-        default=SMCConfig.resample_threshold,
-        help="resample when ESS < this x N (ESS >= 1: at N = 2 only above 0.5 resamples)",
+        default=default,
+        help="smc: resample when ESS < this x N (ESS >= 1: at N = 2 only above 0.5 "
+        f"resamples; default {SMCConfig.resample_threshold})",
     )
 
 
@@ -223,6 +225,6 @@ def add_resampling(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--resampling",
         choices=RESAMPLING_SCHEMES,
-        default=SMCConfig.resampling,
-        help="smc's scheme",
+        default=None,
+        help=f"smc's scheme (default {SMCConfig.resampling})",
     )

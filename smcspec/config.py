@@ -364,15 +364,25 @@ class AutoConfig:
     draft's agreement with the target, and chosen again every `redecide_every` rounds as the
     agreement is measured (`decoding.auto`). exact: among ar, sd and msd, so the output's law is
     the target's; False: smc too, while its rounds' mean ESS / N stays >= `ess_floor(N)`. With a
-    potential, smc at the N and K that decode fastest (the conditional needs smc)."""
+    potential, smc at the N and K that decode fastest (the conditional needs smc).
+
+    `particles` / `draft_tokens` (None: auto picks them) narrow the choice to the settings that
+    have that N / K: particles to msd (and smc, where smc may run), draft_tokens to sd and msd
+    (and smc); a setting a user gives is never dropped for a method that does not read it."""
 
     exact: bool = True
     max_particles: int = AUTO_MAX_PARTICLES
     max_draft_tokens: int = AUTO_MAX_DRAFT_TOKENS
     redecide_every: int = AUTO_REDECIDE_EVERY
     max_divergence: float = AUTO_MAX_DIVERGENCE
+    particles: int | None = None
+    draft_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        if self.particles is not None:
+            _require_count(self, "particles", "particles (N)")
+        if self.draft_tokens is not None:
+            _require_count(self, "draft_tokens", "draft_tokens (K)")
         _require(
             isinstance(self.exact, bool),
             f"exact must be true or false, got {self.exact!r}",
@@ -396,6 +406,17 @@ class AutoConfig:
     def divergence(self, ess_fraction: float, particles: int) -> float:
         """chi^2 / N estimated from a mean ESS / N (the inverse of `ess_floor`)."""
         return (1 / ess_fraction - 1) / particles
+
+    @property
+    def most_particles(self) -> int:
+        """The most rows a setting it may pick keeps: N where given, else `max_particles`."""
+        return self.max_particles if self.particles is None else self.particles
+
+    @property
+    def most_draft_tokens(self) -> int:
+        """The most drafts a round of a setting it may pick writes: K where given, else
+        `max_draft_tokens`."""
+        return self.max_draft_tokens if self.draft_tokens is None else self.draft_tokens
 
 
 DecodingConfig = ARConfig | SDConfig | SMCConfig | MSDConfig | AutoConfig

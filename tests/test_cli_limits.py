@@ -4,6 +4,7 @@ are read from those classes; a bad value is one line naming the flag, before any
 `--kv-pages 8` gives the tiny models pools of 8 pages, and a request longer than that is refused
 naming the flag."""
 
+import json
 from dataclasses import dataclass
 
 import pytest
@@ -104,7 +105,15 @@ def tiny_args(tiny_llama_folder, tiny_llama_draft_folder):
 
 
 def test_generate_kv_pages_sizes_the_pools(monkeypatch, capsys, tiny_args):
-    """Failed on: run_generate loading the LLM without its limits (4096 pages)."""
+    """auto's costs are pinned to ones that favour rows (every row free: N = 4, K = 8 is the
+    fastest setting), so the outcome does not hang on this machine's speed. 1 + 20 + 8
+    positions are 3 pages a row with the spare one: 4 rows need 12 of the 8 pages, so auto must
+    weigh 2 rows at most. Failed on: run_generate loading the LLM without its limits (4096
+    pages); auto reserving and choosing 4 rows (exit 1, "sequence 2 needs 1 pages, 0 free",
+    seen on a 2-core Xeon where the profile's speeds picked them)."""
+    from smcspec.engine import costs as cm
+    from smcspec.engine import probes
+
     built = []
     real = cli_common.llm_from_args
 
@@ -113,12 +122,17 @@ def test_generate_kv_pages_sizes_the_pools(monkeypatch, capsys, tiny_args):
         return built[-1]
 
     monkeypatch.setattr(cli_generate, "llm_from_args", spy)
+    flat = cm.StepCosts(target_fit=(1.0, 0.0), draft_fit=(0.01, 0.0))
+    monkeypatch.setattr(probes, "profile", lambda llm, **kwargs: flat)
     words = ["generate", "w1", *tiny_args, "--backend", "native", "--dtype", "float32"]
     limits = ["--kv-pages", "8", "--max-running", "2"]
-    assert cli.main([*words, *limits, "--max-new-tokens", "4", "--seed", "0"]) == 0
+    assert cli.main([*words, *limits, "--max-new-tokens", "20", "--seed", "0", "--json"]) == 0
     [llm] = built
     assert llm.limits == EngineLimits(max_running=2, kv_pages=8)
     assert llm.target.pages.num_pages == llm.draft.pages.num_pages == 8
+    out = json.loads(capsys.readouterr().out)
+    assert out["new_tokens"] == 20
+    assert max(s.get("particles", 1) for s in out["settings"]) == 2
 
 
 def test_serve_kv_pages_reaches_the_server_which_refuses_a_longer_request(monkeypatch, tiny_args):

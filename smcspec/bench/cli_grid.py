@@ -7,7 +7,7 @@ import argparse
 
 from smcspec.bench.contenders import LLAMA_CPP, build_grid, parse_ints
 from smcspec.cli_common import add_model_options, add_resample_threshold
-from smcspec.config import SamplingConfig
+from smcspec.config import SamplingConfig, SMCConfig
 
 T_DEFAULT = SamplingConfig.temperature
 
@@ -29,7 +29,7 @@ def add_grid_options(p: argparse.ArgumentParser, methods: list[str], smc_n: str)
     p.add_argument(
         "--smc-power", default="", help="also run each smc setting with Power(alpha), e.g. 2,4"
     )
-    add_resample_threshold(p)
+    add_resample_threshold(p, SMCConfig.resample_threshold)
     p.add_argument("--out", default="bench-results", help="folder for .jsonl, .md and .png files")
     p.add_argument("--seed", type=int, default=0, help="seed of the first run")
     add_model_options(p)

@@ -137,7 +137,7 @@ def _smc_grid(smc_n, smc_k, resample_threshold, smc_power) -> list[Contender]:
     for n in smc_n:
         for k in smc_k:
             base = {"particles": n, "draft_tokens": k, "resample_threshold": resample_threshold}
-            configs_from_fields(base)  # checks and bounds N as generate does
+            configs_from_fields({"method": "smc", **base})  # checks and bounds N as generate does
             out.append(Contender("smc", base))
             for alpha in smc_power:
                 Power(alpha)

@@ -147,8 +147,8 @@ TABLE: dict[str, Method] = {
                 lambda chosen, phi: row_of(chosen).decoder(target, draft, chosen, phi, None),
             ),
             # the most any setting it may pick keeps and drafts
-            kv_rows=lambda config: (config.max_particles, config.max_particles),
-            lookahead=lambda config: config.max_draft_tokens,
+            kv_rows=lambda config: (config.most_particles, config.most_particles),
+            lookahead=lambda config: config.most_draft_tokens,
             tokens_per_round=None,
             potentials=True,
             summary="the fastest of ar, sd and msd for this request (smc too with approximate), "
@@ -218,20 +218,31 @@ def method_fields() -> tuple[str, ...]:
 
 
 def configs_from_fields(
-    given: Mapping[str, Any], has_potential: bool = False
+    given: Mapping[str, Any],
+    has_potential: bool = False,
+    fallback: Mapping[str, Any] | None = None,
 ) -> tuple[DecodingConfig, SamplingConfig]:
     """The typed settings of a mapping of fields: `method` (None: `resolve`'s default),
     `allow_large` (lifts MAX_PARTICLES), any method's settings (particles, draft_tokens,
     resample_threshold, resampling) and any `SamplingConfig` field. A None value means "not
     given": the field's own default, so one unset K is each method's own. Every method's
     settings are checked, whichever runs, so a bad value never waits for the method that reads
-    it. An unknown name is a TypeError; a bad value a `SettingError` naming its field."""
+    it, and none is dropped: a method's setting given for a method that does not read it is a
+    `SettingError` naming it and the methods that do (`_check_read`; auto reads N and K, and
+    narrows its choice to them). An unknown name is a TypeError; a bad value a `SettingError`
+    naming its field. `fallback` (a server's defaults, checked when it started) fills in the
+    method where `given` names none, and any other setting the chosen method reads that `given`
+    leaves unset; the ones it does not read are not the request's and are passed over."""
     known = set(CONVERTER_FIELDS) | set(method_fields()) | set(SAMPLING_FIELDS)
     unknown = sorted(set(given) - known)
     if unknown:
         raise TypeError(f"unknown setting {unknown[0]!r}")
+    fallback = fallback or {}
+    method = given.get("method")
+    chosen = resolve(fallback.get("method") if method is None else method, has_potential)
+    _check_read(given, chosen)
+    given = _with_fallback(given, fallback, chosen)
     given = _exact_of(given)
-    chosen = resolve(given.get("method"), has_potential)
     sampling = SamplingConfig(
         **{k: v for k, v in given.items() if k in SAMPLING_FIELDS and v is not None}
     )
@@ -242,6 +253,40 @@ def configs_from_fields(
     for config in configs.values():
         _check_particles(config, bool(given.get("allow_large")))
     return configs[chosen.name], sampling
+
+
+def _check_read(given: Mapping[str, Any], chosen: Method) -> None:
+    """Every method setting given (not None) is one the chosen method reads; `approximate`
+    is auto's `exact` under its other name."""
+    for name, value in given.items():
+        if value is None or name in SAMPLING_FIELDS or name in ("method", "allow_large"):
+            continue
+        own = "exact" if name == "approximate" else name
+        if own in chosen.settings:
+            continue
+        readers = [row.name for row in TABLE.values() if own in row.settings]
+        raise SettingError(
+            f"{name} is a setting of {_listed(readers, 'and')}, not of {chosen.name}: give "
+            f"method {_listed([repr(r) for r in readers], 'or')}, or leave {name} out",
+            name,
+        )
+
+
+def _listed(words: list[str], last: str) -> str:
+    """"a", "a and b", "a, b and c"."""
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} {last} {words[-1]}"
+
+
+def _with_fallback(
+    given: Mapping[str, Any], fallback: Mapping[str, Any], chosen: Method
+) -> dict[str, Any]:
+    """given, its unset settings taken from `fallback` where the chosen method reads them."""
+    out = dict(given) | {"method": chosen.name}
+    for name, value in fallback.items():
+        own = "exact" if name == "approximate" else name
+        if out.get(name) is None and (own in chosen.settings or own in SAMPLING_FIELDS):
+            out[name] = value
+    return out
 
 
 def _exact_of(given: Mapping[str, Any]) -> dict[str, Any]:
@@ -262,7 +307,7 @@ def _exact_of(given: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _check_particles(config: Any, allow_large: bool) -> None:
-    particles = getattr(config, "particles", 1)
+    particles = getattr(config, "particles", None) or 1
     if particles > MAX_PARTICLES and not allow_large:
         raise SettingError(
             f"particles (N) must be <= {MAX_PARTICLES} unless allow_large is set "

@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 import torch
 
 from smcspec.config import ARConfig, DecodingConfig, MSDConfig, SDConfig, SMCConfig
-from smcspec.decoding.base import start_cache
+from smcspec.decoding.base import released, start_cache
 from smcspec.decoding.methods import method_row
 from smcspec.engine.loading import cache_root
 from smcspec.models.base import CausalLM
@@ -85,26 +85,26 @@ def time_shapes(
     """`time_forward` at each of `widths` tokens per row, over one cache (the context fed once).
     law: each pass also takes the log-softmax of its logits, as every round's sampling law does
     (at a 152k vocabulary a real share of a round)."""
-    cache = start_cache(model, torch.tensor(context), rows=batch)
-    model.forward(torch.tensor([context[-1:]] * batch), cache, 1)  # cache now holds the context
-    length = cache.length
-    out = {}
-    for width in widths:
-        tokens = torch.tensor([context[-width:]] * batch)
-        times = []
-        for _ in range(reps + 1):
-            drain()
-            start = time.perf_counter()
-            logits = model.forward(tokens, cache, width)
-            if law:
-                torch.log_softmax(logits.float(), dim=-1)
-            drain()
-            times.append(time.perf_counter() - start)
-            cache.crop(length)
-        # the first is a warm-up; the least of the rest: other work on the machine only ever
-        # adds time, so the fastest rep is the closest to what the pass itself costs
-        out[width] = min(times[1:])
-    cache.release()
+    with released() as held:  # a pool too small to profile in gets its pages back
+        cache = start_cache(model, torch.tensor(context), batch, held)
+        model.forward(torch.tensor([context[-1:]] * batch), cache, 1)  # now holds the context
+        length = cache.length
+        out = {}
+        for width in widths:
+            tokens = torch.tensor([context[-width:]] * batch)
+            times = []
+            for _ in range(reps + 1):
+                drain()
+                start = time.perf_counter()
+                logits = model.forward(tokens, cache, width)
+                if law:
+                    torch.log_softmax(logits.float(), dim=-1)
+                drain()
+                times.append(time.perf_counter() - start)
+                cache.crop(length)
+            # the first is a warm-up; the least of the rest: other work on the machine only
+            # ever adds time, so the fastest rep is the closest to what the pass itself costs
+            out[width] = min(times[1:])
     return out
 
 
@@ -433,11 +433,14 @@ def predict(method: str, config: DecodingConfig, a: float, costs: StepCosts) -> 
 
 @dataclass(frozen=True)
 class Grid:
-    """The settings `choose` weighs: sd at each K; msd and smc at each (N, K)."""
+    """The settings `choose` weighs: ar (where `ar`), sd at each K (where `sd`); msd and smc at
+    each (N, K). A request that gives K leaves ar out, one that gives N ar and sd too."""
 
     draft_tokens: tuple[int, ...] = tuple(range(1, 9))
     msd_particles: tuple[int, ...] = (2, 4, 8)
     smc_particles: tuple[int, ...] = (2, 4, 8)
+    ar: bool = True
+    sd: bool = True
 
 
 def candidates(
@@ -451,8 +454,8 @@ def candidates(
     ]
     if has_potential:
         return smc
-    out: list[tuple[str, DecodingConfig]] = [("ar", ARConfig())]
-    out += [("sd", SDConfig(draft_tokens=k)) for k in ks]
+    out: list[tuple[str, DecodingConfig]] = [("ar", ARConfig())] if grid.ar else []
+    out += [("sd", SDConfig(draft_tokens=k)) for k in ks] if grid.sd else []
     out += [("msd", MSDConfig(particles=n, draft_tokens=k)) for n in grid.msd_particles for k in ks]
     return out if exact else out + smc
 

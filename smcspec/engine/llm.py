@@ -20,7 +20,7 @@ from smcspec.config import DecodingConfig, EngineLimits, SamplingConfig, Setting
 from smcspec.decoding import Decoder, DecodeResult, methods
 from smcspec.decoding.base import Stats, Watch
 from smcspec.decoding.logprobs import TokenLogprobs, score_prompt
-from smcspec.engine import costs, probes
+from smcspec.engine import costs, pools, probes
 from smcspec.engine.loading import load_pair
 from smcspec.engine.request import Request, build_potential
 from smcspec.engine.scheduler import Job, Scheduler
@@ -285,7 +285,9 @@ class LLM:
         None sampling takes `SamplingConfig()`'s defaults. `stop`: a string or a list of
         strings (none empty); the text ends just before the first one and decoding stops once
         it is certain.
-        Bad settings raise ValueError naming the field."""
+        auto's settings are cut to what the KV pools hold (`pools.fit_auto`: fewer particles or
+        drafts, ar at the least); a request that no setting of its method fits is refused
+        here, naming the pool. Bad settings raise ValueError naming the field."""
         stops = check_stops(stop)
         if decoding is None:
             decoding = methods.resolve(None, potential is not None).config()
@@ -303,8 +305,17 @@ class LLM:
                 "logit_bias",
             )
         ids = self.encode(prompt, chat)
+        models = (self.target, self.draft)
+        has_potential = potential is not None
+        decoding = pools.fit_auto(
+            decoding, models, len(ids), sampling.max_new_tokens, has_potential
+        )
         seed = secrets.randbits(63) if sampling.seed is None else sampling.seed
-        return Request(ids, decoding, sampling, potential, seed, stops)
+        request = Request(ids, decoding, sampling, potential, seed, stops)
+        reason = pools.oversized(models, request.kv_rows(), request.max_length())
+        if reason is not None:
+            raise ValueError(reason)
+        return request
 
     def request(
         self,
@@ -355,6 +366,8 @@ class LLM:
         forward passes with other requests' (see `engine.scheduler`). `on_text` gets the text
         as it can no longer change, in pieces that add up to the result's text."""
         target, draft = models if models is not None else (self.target, self.draft)
+        if methods.row_of(request.decoding).chooses:
+            self.prepare()
         decoder = make_decoder(request.decoding, target, draft, request.potential, self.tuner)
         text = TextStream(self.decode_text, request.stops)
 
@@ -378,6 +391,13 @@ class LLM:
             out.prompt_logprobs = score_prompt(target, request.prompt_ids, request.sampling, top)
         return out
 
+    def prepare(self) -> None:
+        """auto's one-time work, done now rather than inside a request's time: its step costs,
+        measured once per machine and pair (minutes; it says so, and how long it took) or read
+        from their cache. `run` calls it before a request's clock starts, a server before it
+        reports ready, so that no tokens/s counts it."""
+        _ = self.tuner.costs
+
     def job(
         self,
         request: Request,
@@ -388,7 +408,7 @@ class LLM:
         auto request's costs are profiled here, before the job joins the scheduler, whose
         thread alone may run passes once it does."""
         if methods.row_of(request.decoding).chooses:
-            _ = self.tuner.costs
+            self.prepare()
         return Job(
             lambda views: self.run(request, views, watch, on_text),
             request.kv_rows(),

@@ -184,7 +184,13 @@ def profile(
         "smcspec: measuring this machine's step costs for auto (once per model pair)",
         file=sys.stderr,
     )
+    start = time.perf_counter()
     costs = measure(llm.target, llm.draft, rows, max_draft_tokens, context, reps, key)
     costs = measure_rounds(llm.target, llm.draft, costs, profile_prompt(llm, context))
     save(costs, cache_dir)
+    print(
+        f"smcspec: step costs measured in {time.perf_counter() - start:.1f} s (start-up, not "
+        "decoding: later runs read them from the cache)",
+        file=sys.stderr,
+    )
     return costs

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from smcspec.config import EngineLimits
+from smcspec.engine import pools
 from smcspec.models.base import CausalLM, KVCache, PagedModel, forward_many
 
 
@@ -184,19 +185,9 @@ class Scheduler:
         return model.page_size if isinstance(model, PagedModel) else None
 
     def pages_for(self, rows: Sequence[int], max_length: int) -> list[int]:
-        """The most pages a job can hold with rows[m] sequences of up to `max_length` positions
-        in model m's pool: a page per page_size positions per row (a shared last page is copied
-        only while another row still holds it, so the copies never outnumber the rows; prefix
-        sharing only makes the need smaller), plus one spare page per row: measured peaks never
-        use it (tests/engine/test_admission.py), but a page missing mid-decode fails a running
-        job, where a spare one only delays admission."""
-        out = []
-        for model, n in zip(self.models, rows, strict=True):
-            if not isinstance(model, PagedModel) or n == 0:
-                out.append(0)
-                continue
-            out.append(n * (-(-max_length // model.page_size) + 1))
-        return out
+        """The most pages a job of `rows` sequences of up to `max_length` positions can hold in
+        each model's pool (`pools.pages_for`)."""
+        return pools.pages_for(self.models, rows, max_length)
 
     def submit(self, job: Job) -> Job:
         """Queue `job`; it starts as soon as admission allows. A job that could never fit (more
@@ -219,15 +210,9 @@ class Scheduler:
         return list(jobs)
 
     def _refuse_oversized(self, job: Job) -> None:
-        for i, need in enumerate(self._pages(job)):
-            cap = self.capacity(i)
-            if cap is not None and need > cap:
-                raise ValueError(
-                    f"the request needs up to {need} KV pages of model {i}, the pool has {cap} "
-                    f"({cap} pages x {self.page_size(i)} positions): ask for fewer tokens or "
-                    "particles, or give a larger pool (--kv-pages or --kv-memory; "
-                    "EngineLimits.kv_pages or kv_memory)"
-                )
+        reason = pools.oversized(self.models, job.rows, job.max_length)
+        if reason is not None:
+            raise ValueError(reason)
 
     @property
     def alive(self) -> bool:

@@ -28,7 +28,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from smcspec.config import DecodingConfig, SamplingConfig
+from smcspec.config import AutoConfig, DecodingConfig, SamplingConfig
 from smcspec.decoding.agreement import Tally
 from smcspec.decoding.auto import Choice, Outlook, RoundTime
 from smcspec.decoding.methods import method_of, method_row
@@ -53,15 +53,29 @@ def sampling_key(s: SamplingConfig) -> tuple:
     return (s.temperature, s.draft_temperature, s.top_k, s.top_p, s.min_p)
 
 
-def grid_for(max_particles: int, max_draft_tokens: int) -> Grid:
-    """Every K up to the most; N = 2, 4, 8, ... up to the most."""
-    ns = []
-    n = 2
-    while n <= max_particles:
-        ns.append(n)
-        n *= 2
-    ks = tuple(range(1, max_draft_tokens + 1))
-    return Grid(draft_tokens=ks, msd_particles=tuple(ns), smc_particles=tuple(ns) or (2,))
+def grid_for(config: AutoConfig) -> Grid:
+    """Every K up to the most, N = 2, 4, 8, ... up to the most; only the N and K a request
+    gives where it gives them (then without the methods that do not read them: ar and sd for
+    N, ar for K). smc takes N = 2 where the most is 1 (fewer is no population)."""
+    if config.particles is not None:
+        ns = [config.particles]
+    else:
+        ns, n = [], 2
+        while n <= config.max_particles:
+            ns.append(n)
+            n *= 2
+    if config.draft_tokens is not None:
+        ks: tuple[int, ...] = (config.draft_tokens,)
+    else:
+        ks = tuple(range(1, config.max_draft_tokens + 1))
+    given_n, given_k = config.particles is not None, config.draft_tokens is not None
+    return Grid(
+        draft_tokens=ks,
+        msd_particles=tuple(ns),
+        smc_particles=tuple(ns) or (2,),
+        ar=not (given_n or given_k),
+        sd=not given_n,
+    )
 
 
 def min_divergence(a: float, draft_tokens: int, particles: int) -> float:
@@ -149,7 +163,7 @@ class Tuner:
         """Every candidate with its predicted tokens per second, simplest first."""
         costs, a = self.costs_for(outlook.sampling), self.agreement(outlook)
         config = outlook.config
-        grid = grid_for(config.max_particles, config.max_draft_tokens)
+        grid = grid_for(config)
         exact = not self.smc_allowed(outlook)
         out = []
         for name, cfg in step_costs.candidates(exact, outlook.has_potential, grid):

@@ -27,7 +27,6 @@ from smcspec.config import (
     HTTPLimits,
     SamplingConfig,
     SettingError,
-    SMCConfig,
 )
 from smcspec.engine import (
     LLM,
@@ -36,7 +35,6 @@ from smcspec.engine import (
     configs_from_fields,
     lookahead,
     method_fields,
-    resolve_method,
 )
 from smcspec.engine.scheduler import Cancelled, Job, Scheduler
 from smcspec.engine.text import check_stops
@@ -100,8 +98,8 @@ class ServeDefaults:
     method: str | None = None
     particles: int | None = None
     draft_tokens: int | None = None
-    resample_threshold: float = SMCConfig.resample_threshold
-    resampling: str = SMCConfig.resampling
+    resample_threshold: float | None = None
+    resampling: str | None = None
     approximate: bool | None = None
     temperature: float = SERVER_TEMPERATURE
     max_tokens: int = SamplingConfig.max_new_tokens
@@ -148,9 +146,9 @@ class Server:
         self.llm = llm
         self.defaults = defaults
         limits = llm.limits
-        # auto's costs measured (if not cached) before the scheduler, whose thread alone may run
-        if resolve_method(defaults.method).chooses:
-            _ = llm.tuner.costs
+        # auto's costs measured (if not cached) before the scheduler, whose thread alone may
+        # run passes, and before /health says ready: any request may ask for auto
+        llm.prepare()
         self.scheduler = Scheduler(
             (llm.target, llm.draft), limits.max_running, limits.max_batch_tokens
         )
@@ -245,8 +243,9 @@ class Server:
             raise ApiError(str(err), "stop") from err
         potential = self._potential(body)
         fields = self._method_fields(body) | _sampling(body, self.defaults.temperature)
+        fallback = self.defaults.method_settings
         try:  # every setting checked once here; per choice only the seed and length change
-            decoding, sampling = configs_from_fields(fields, potential is not None)
+            decoding, sampling = configs_from_fields(fields, potential is not None, fallback)
         except SettingError as err:
             raise ApiError(str(err), err.field) from err
         drafts = lookahead(decoding)
@@ -264,9 +263,9 @@ class Server:
         return choices
 
     def _method_fields(self, body: GenerationFields) -> dict[str, Any]:
-        """The request's decoding settings, the server's defaults where it gives none."""
-        defaults = self.defaults.method_settings
-        return {name: _given(getattr(body, name, None), value) for name, value in defaults.items()}
+        """The request's own decoding settings (None: not given; the server's defaults fill in
+        those its method reads, `configs_from_fields`' fallback)."""
+        return {name: getattr(body, name, None) for name in self.defaults.method_settings}
 
     def _potential(self, body: GenerationFields) -> Potential | None:
         """The request's potential, built once: every choice shares it (each particle gets its
@@ -473,10 +472,6 @@ def _sampling(body: GenerationFields, temperature: float) -> dict[str, Any]:
         "prompt_logprobs": body.prompt_logprobs_asked,
     }
     return {"temperature": temperature} | given | spelled
-
-
-def _given(value, default):
-    return default if value is None else value
 
 
 def _schema(body: GenerationFields) -> str | None:

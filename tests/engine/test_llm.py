@@ -7,6 +7,21 @@ from smcspec import LLM, AutoConfig
 from smcspec.engine import check_same_tokenizer
 from smcspec.models.toy import perturbed_lm, random_lm
 
+# The settings each method reads (a setting given to one that does not is refused): the tests
+# that run every method give each its own.
+READS = {
+    "ar": (),
+    "sd": ("draft_tokens",),
+    "msd": ("particles", "draft_tokens"),
+    "smc": ("particles", "draft_tokens", "resample_threshold"),
+}
+
+
+def own(method: str, **settings):
+    """The settings among `settings` that `method` reads, and every sampling setting."""
+    method_settings = {"particles", "draft_tokens", "resample_threshold"}
+    return {k: v for k, v in settings.items() if k not in method_settings or k in READS[method]}
+
 
 @pytest.fixture
 def llm():
@@ -16,9 +31,8 @@ def llm():
 
 @pytest.mark.parametrize("method", ["ar", "sd", "smc", "msd"])
 def test_generate_returns_tokens_and_diagnostics(llm, method):
-    out = llm.generate(
-        [1, 2], method, particles=4, draft_tokens=2, max_new_tokens=6, seed=3, stop_at_eos=False
-    )
+    settings = own(method, particles=4, draft_tokens=2, max_new_tokens=6, seed=3)
+    out = llm.generate([1, 2], method, stop_at_eos=False, **settings)
     assert len(out.token_ids) == 6
     d = out.diagnostics
     assert d["new_tokens"] == 6 and d["seed"] == 3 and d["tokens_per_second"] > 0
@@ -239,7 +253,7 @@ def test_stop_strings_cut_the_text_and_end_decoding(llm, method):
     """With the same seed the run is the free run up to the first stop string: the text is cut
     just before it, the tokens end with the one that completed it, and decoding stopped. (smc
     resamples every round so that its particles' common prefix, what it can stop on, grows.)"""
-    settings = {"particles": 2, "draft_tokens": 2, "resample_threshold": 1.0, "seed": 4}
+    settings = own(method, particles=2, draft_tokens=2, resample_threshold=1.0, seed=4)
     settings["stop_at_eos"] = False
     free = llm.generate([1, 2], method, max_new_tokens=24, **settings)
     assert free.finish_reason == "length" and len(free.token_ids) == 24
@@ -296,16 +310,8 @@ EXTREME_SAMPLING = [
 @pytest.mark.parametrize("options", EXTREME_SAMPLING)
 def test_extreme_temperatures_complete_with_tokens_in_the_vocabulary(llm, method, options):
     """Issue 12: at T = 1e-45 the float32 law was NaN and the sampler returned id V."""
-    out = llm.generate(
-        [1, 2],
-        method,
-        particles=4,
-        draft_tokens=2,
-        max_new_tokens=8,
-        seed=5,
-        stop_at_eos=False,
-        **options,
-    )
+    settings = own(method, particles=4, draft_tokens=2, max_new_tokens=8, seed=5)
+    out = llm.generate([1, 2], method, stop_at_eos=False, **settings, **options)
     assert len(out.token_ids) == 8 and all(0 <= t < 5 for t in out.token_ids)
 
 
@@ -317,16 +323,8 @@ def tiny_llm(tiny_folder, tiny_draft_folder):
 @pytest.mark.parametrize("method", ["ar", "sd", "smc", "msd"])
 @pytest.mark.parametrize("options", EXTREME_SAMPLING[:2] + EXTREME_SAMPLING[5:])
 def test_extreme_temperatures_on_the_native_model(tiny_llm, method, options):
-    out = tiny_llm.generate(
-        [4, 5, 6],
-        method,
-        particles=4,
-        draft_tokens=2,
-        max_new_tokens=6,
-        seed=5,
-        stop_at_eos=False,
-        **options,
-    )
+    settings = own(method, particles=4, draft_tokens=2, max_new_tokens=6, seed=5)
+    out = tiny_llm.generate([4, 5, 6], method, stop_at_eos=False, **settings, **options)
     vocab = tiny_llm.target.vocab_size
     assert len(out.token_ids) == 6 and all(0 <= t < vocab for t in out.token_ids)
     assert tiny_llm.target.pages.used_pages == 0
@@ -413,13 +411,15 @@ def test_chat_is_generate_on_the_templated_messages(tiny_chat_llm):
     other = [{"role": "user", "content": "w9 w3"}]
     ids = llm.encode_messages(chat)
     assert ids == llm.encode("w5 w1 w2", chat=False)
-    settings = {"max_new_tokens": 6, "stop_at_eos": False, "particles": 3, "draft_tokens": 2}
+    given = {"max_new_tokens": 6, "stop_at_eos": False, "particles": 3, "draft_tokens": 2}
     for method in ("sd", "smc"):
+        settings = own(method, **given)
         out = llm.chat(chat, method, seed=4, **settings)
         alone = llm.generate(ids, method, seed=4, **settings)
         assert (out.token_ids, out.text, out.method) == (alone.token_ids, alone.text, method)
         assert len(out.token_ids) == 6
     # a list of chats: generate_batch, chat i with seed + i, each as it decodes alone
+    settings = own("sd", **given)
     outs = llm.chat([chat, other], "sd", seed=4, **settings)
     first = llm.generate(ids, "sd", seed=4, **settings)
     second = llm.generate(llm.encode_messages(other), "sd", seed=5, **settings)

@@ -133,12 +133,14 @@ def test_requests_wait_for_pages_and_all_pages_come_back(llm):
 
 
 def test_a_request_larger_than_the_pool_is_refused(llm):
+    """Refused by `plan` before anything runs, and by the scheduler for any job of that size."""
     small = small_pool(llm, pages=10)
+    with pytest.raises(ValueError, match="KV pages"):
+        small.request("w1", method="smc", particles=8, max_new_tokens=40)
     scheduler = Scheduler((small.target, small.draft))
     try:
-        request = small.request("w1", method="smc", particles=8, max_new_tokens=40)
         with pytest.raises(ValueError, match="KV pages"):
-            scheduler.submit(small.job(request))
+            scheduler.submit(Job(lambda views: None, (8, 8), 45))
     finally:
         scheduler.shutdown()
 

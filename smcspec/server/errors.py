@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from smcspec.engine.scheduler import Cancelled
+from smcspec.server.guard import REFUSED
 from smcspec.server.responses import ErrorResponse
 from smcspec.server.runtime import ApiError
 
@@ -52,8 +53,11 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ClientDisconnect)
     async def hung_up(request: HTTPRequest, err: ClientDisconnect) -> JSONResponse:
         """A client gone before its body was whole (or cut off by the read timeout): nginx's
-        and vLLM's 499, one log line, no traceback; nobody is left to read the answer."""
-        request.app.state.server.metrics.count_disconnect("body")
+        and vLLM's 499, one log line, no traceback; nobody is left to read the answer. The
+        guard counts it. A connection that refused the request itself (`guard.REFUSED`) has
+        answered it already."""
+        if REFUSED in request.scope:
+            return error_response(request.scope[REFUSED], "refused by the connection")
         client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
         LOG.warning(
             "%s hung up before sending the whole body of %s %s",

@@ -28,7 +28,12 @@ class HTTPServer(uvicorn.Server):
             host=host,
             port=port,
             log_level=log_level,
-            http=h11_protocol(d.http.read_timeout, d.http.write_timeout),
+            http=h11_protocol(
+                d.http.read_timeout,
+                d.http.write_timeout,
+                d.http.max_body_bytes,
+                self.runtime.metrics.count_disconnect,
+            ),
             timeout_keep_alive=KEEP_ALIVE_S,
             timeout_graceful_shutdown=d.http.shutdown_timeout + CLOSE_S,
         )

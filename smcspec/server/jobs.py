@@ -42,8 +42,7 @@ async def gather(
             _, pending = await asyncio.wait(futures, timeout=POLL_S)
             if not pending:
                 break
-            if await request.is_disconnected():
-                server.metrics.count_disconnect("waiting")
+            if await request.is_disconnected():  # counted by the guard, which saw it
                 raise Cancelled("the client went away")
         return [outcome(server, f) for f in futures]
     finally:

@@ -62,7 +62,7 @@ class ServerMetrics:
         self.disconnects = Counter(
             "smcspec:client_disconnects",
             "clients that hung up before their response ended (HTTP 499), by stage: sending the "
-            "body, waiting for a result, or reading a stream",
+            "head, sending the body, waiting for a result, or reading a stream",
             ["model_name", "stage"],
             registry=r,
         )

@@ -133,7 +133,7 @@ async def _events(
 ) -> AsyncIterator[str]:
     hold = tools.replies_with_calls(body)  # calls are parsed from the whole reply, sent at its end
     open_choices = {c.index for c in choices}
-    completion_tokens, first, ended = 0, True, False
+    completion_tokens, first = 0, True
     try:
         for event in _openings(server, body, choices, chunks):
             yield event
@@ -155,10 +155,7 @@ async def _events(
             yield chunks.usage(Usage.of(prompt_tokens, completion_tokens))
         server.metrics.latency.observe(time.perf_counter() - started)
         yield DONE
-        ended = True
-    finally:
-        if not ended and not server.draining:  # the client left, or stopped reading
-            server.metrics.count_disconnect("streaming")
+    finally:  # the stream ended, or its client left (the guard counts that)
         for c in choices:
             c.job.cancel()
 

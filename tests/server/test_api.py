@@ -187,6 +187,34 @@ def test_bad_requests_get_a_400_that_names_the_field(served, body, param):
     assert error["param"] == param
 
 
+def test_a_body_cannot_say_exact_so_approximate_is_its_one_spelling(served):
+    """`exact` and `approximate` given together must agree (tests/engine/
+    test_exact_and_approximate.py); a body cannot give `exact` at all, so it cannot contradict."""
+    body = {"model": MODEL, "prompt": PROMPT, "exact": True, "approximate": True}
+    resp = requests.post(served.v1 + "/completions", json=body, timeout=30)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "exact", resp.json()
+
+
+@pytest.mark.parametrize(
+    ("method", "draft_tokens"), [("sd", 100_000), ("smc", 2**62), ("msd", 128)]
+)
+@pytest.mark.xfail(
+    strict=True,
+    reason="runtime.Server._token_limit blames the prompt when the lookahead alone fills the "
+    "context; its fix is in runtime.py (not this change's file)",
+)
+def test_draft_tokens_that_fill_the_context_are_a_400_naming_draft_tokens(
+    served, method, draft_tokens
+):
+    """The tiny model's context holds 128 positions: K draft tokens of lookahead >= 128 leave
+    no room for any prompt. The 400 named `prompt`."""
+    body = {"model": MODEL, "prompt": PROMPT, "method": method, "draft_tokens": draft_tokens}
+    resp = requests.post(served.v1 + "/completions", json=body, timeout=30)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "draft_tokens", resp.json()
+
+
 def test_malformed_bodies_and_unknown_routes_get_json_errors(served):
     for data in ("{bad json", "", "[1, 2]", "null"):
         resp = requests.post(

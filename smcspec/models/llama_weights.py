@@ -173,14 +173,11 @@ def quantized_entries(lm_head: Linear, layers: list[Layer]) -> list[weight_cache
     return entries
 
 
-def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a Hugging Face folder's *.safetensors files."""
-    from safetensors.torch import load_file
-
-    weights: dict[str, torch.Tensor] = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        weights.update(load_file(str(f)))
-    return weights
+def read_safetensors(folder: Path) -> weight_cache.LazyWeights:
+    """The tensors of a Hugging Face folder's *.safetensors files (the weight caches beside them
+    left out), each read when the model takes it: a float32 model then holds its own weights and
+    one layer's pieces, a bfloat16 one never the float32 model."""
+    return weight_cache.LazyWeights(weight_cache.source_files(folder))
 
 
 def random_weights(config: LlamaConfig, device: str | torch.device, seed: int = 0) -> dict:

@@ -7,6 +7,7 @@ import pytest
 import requests
 
 from smcspec.bench.serving import parse_metrics
+from smcspec.decoding.methods import method_row
 from tests.server.conftest import MODEL
 
 PROMPT = "w1 w2 w3"
@@ -18,8 +19,11 @@ SETTINGS = [
 
 
 def offline(served, prompt, chat: bool, seed: int, max_tokens: int, **extra):
-    """What `LLM.generate` gives for the same request (server defaults filled in)."""
-    settings = {"particles": 4, "draft_tokens": 3, "temperature": 1.0, **extra}
+    """What `LLM.generate` gives for the same request (the server's defaults filled in where
+    the method reads them, as the server fills them)."""
+    reads = method_row(extra.get("method", "auto")).settings
+    defaults = {k: v for k, v in {"particles": 4, "draft_tokens": 3}.items() if k in reads}
+    settings = defaults | {"temperature": 1.0, **extra}
     return served.llm.generate(
         prompt, chat=chat, seed=seed, max_new_tokens=max_tokens, **settings
     ).text

@@ -67,3 +67,33 @@ def test_http_limits_name_the_bad_field(field, value):
 
 def test_a_shutdown_may_cancel_at_once():
     assert HTTPLimits(shutdown_timeout=0).shutdown_timeout == 0
+
+
+TINY = 5e-324  # the smallest positive float
+
+
+@pytest.mark.parametrize(
+    ("cls", "field", "at", "past"),
+    [
+        (EngineLimits, "max_running", 1, 0),
+        (EngineLimits, "max_batch_tokens", 1, 0),
+        (EngineLimits, "page_size", 1, 0),
+        (EngineLimits, "kv_pages", 1, 0),
+        (EngineLimits, "kv_memory", 1, math.nextafter(1, 2)),
+        (EngineLimits, "kv_memory", TINY, 0),
+        (HTTPLimits, "max_body_bytes", 1, 0),
+        (HTTPLimits, "shutdown_timeout", 0, -TINY),
+        (HTTPLimits, "read_timeout", TINY, 0),
+        (HTTPLimits, "write_timeout", TINY, 0),
+    ],
+    ids=lambda v: v.__name__ if isinstance(v, type) else repr(v),
+)
+def test_each_bound_takes_its_limit_and_refuses_one_past_it(cls, field, at, past):
+    """Each bound at its limit is taken and one step past it refused naming the field (the
+    cases above test only values far past). Failed on: `>= 1` written `> 1` in _require_count,
+    `kv_memory <= 1` written `< 1`, `kv_memory > 0` written `>= 0`, `shutdown_timeout >= 0`
+    written `> 0`, `read_timeout > 0` written `>= 0`."""
+    assert getattr(cls(**{field: at}), field) == at
+    with pytest.raises(ValueError, match=f"^{field} must") as err:
+        cls(**{field: past})
+    assert err.value.field == field

@@ -12,8 +12,10 @@ from smcspec.config import (
     MSD_DRAFT_TOKENS,
     RESAMPLING_SCHEMES,
     SD_DRAFT_TOKENS,
+    SD_VERIFY,
     SMC_DRAFT_TOKENS,
     SMC_PARTICLES,
+    VERIFY_RULES,
     EngineLimits,
     HTTPLimits,
     SMCConfig,
@@ -218,6 +220,17 @@ def add_auto(p: argparse.ArgumentParser) -> None:
         help="with --approximate: the most chi^2 / N smc's weights may show (default 0.03)",
     )
     p.set_defaults(exact=None)  # no flag of its own: --approximate is its opposite
+
+
+def add_verify(p: argparse.ArgumentParser) -> None:
+    """sd's verification rule (`SDConfig.verify`); None: not given (sd's own default)."""
+    p.add_argument(
+        "--verify",
+        choices=VERIFY_RULES,
+        default=None,
+        help="sd: test the drafts token by token, or the block jointly (keeps at least as many; "
+        f"default {SD_VERIFY})",
+    )
 
 
 def add_resampling(p: argparse.ArgumentParser) -> None:

@@ -13,6 +13,7 @@ from smcspec.cli_common import (
     add_model_options,
     add_particles,
     add_resampling,
+    add_verify,
     command,
     engine_limits,
     http_limits,
@@ -48,6 +49,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument(
         "-k", "--draft-tokens", type=int, default=None, help="K for requests; " + K_HELP
     )
+    add_verify(serve)
     add_resampling(serve)
     serve.add_argument(
         "--approximate",
@@ -154,6 +156,7 @@ def run_serve(args: argparse.Namespace) -> int:
         method=args.method,
         particles=args.particles,
         draft_tokens=args.draft_tokens,
+        verify=args.verify,
         resample_threshold=args.resample_threshold,
         resampling=args.resampling,
         approximate=args.approximate,

@@ -11,6 +11,9 @@ RESAMPLING_SCHEMES: tuple[str, ...] = ("systematic", "multinomial", "stratified"
 # The defaults are the fastest settings measured on the default pair (README, "Speed on this
 # machine": sd K=4 1.44x ar; smc's best, N=2 K=8, 1.29x). Every entry point takes them from here.
 SD_DRAFT_TOKENS = 4
+# sd's verification rules: token by token, or the block jointly (decoding/speculative.py)
+VERIFY_RULES: tuple[str, ...] = ("token", "block")
+SD_VERIFY = "token"
 SMC_PARTICLES = 2
 SMC_DRAFT_TOKENS = 8
 # msd is not measured yet (issue 28's sweep is): a round of msd at N = 1 is sd's, so its K is
@@ -306,12 +309,20 @@ class HTTPLimits:
 
 @dataclass(frozen=True)
 class SDConfig:
-    """Speculative decoding: K draft tokens per round, verified by rejection sampling."""
+    """Speculative decoding: K draft tokens per round, verified by rejection sampling. verify:
+    "token" tests the drafts one by one (Leviathan et al.); "block" tests the block jointly
+    (Sun et al., block verification), which keeps at least as many tokens in expectation."""
 
     draft_tokens: int = SD_DRAFT_TOKENS
+    verify: str = SD_VERIFY
 
     def __post_init__(self) -> None:
         _require_count(self, "draft_tokens", "draft_tokens (K)")
+        _require(
+            self.verify in VERIFY_RULES,
+            f"verify must be one of {', '.join(VERIFY_RULES)}, got {self.verify!r}",
+            "verify",
+        )
 
 
 @dataclass(frozen=True)

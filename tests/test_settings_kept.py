@@ -16,7 +16,7 @@ from smcspec.models.toy import perturbed_lm, random_lm
 
 READS = {
     "ar": set(),
-    "sd": {"draft_tokens"},
+    "sd": {"draft_tokens", "verify"},
     "msd": {"particles", "draft_tokens"},
     "smc": {"particles", "draft_tokens", "resample_threshold", "resampling"},
     "auto": {"particles", "draft_tokens", "approximate"},
@@ -24,6 +24,7 @@ READS = {
 VALUES = {
     "particles": 2,
     "draft_tokens": 3,
+    "verify": "block",
     "resample_threshold": 0.4,
     "resampling": "multinomial",
     "approximate": True,

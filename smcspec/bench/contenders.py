@@ -21,6 +21,7 @@ from smcspec.potentials import Power
 METHOD_NAMES = (
     "ar",
     "sd",
+    "sd-block",
     "smc",
     "msd",
     "auto",
@@ -32,9 +33,17 @@ METHOD_NAMES = (
 )
 LLAMA_CPP = ("llama-cpp", "llama-cpp-spec")
 # ours: run by `LLM.generate` under the method name it knows
-OURS = {"ar": "ar", "sd": "sd", "smc": "smc", "msd": "msd", "auto": "auto", "auto-approx": "auto"}
+OURS = {
+    "ar": "ar",
+    "sd": "sd",
+    "sd-block": "sd",
+    "smc": "smc",
+    "msd": "msd",
+    "auto": "auto",
+    "auto-approx": "auto",
+}
 # the methods that draft, and so run at every draft temperature asked for
-DRAFTING = ("sd", "smc", "msd", "auto", "auto-approx")
+DRAFTING = ("sd", "sd-block", "smc", "msd", "auto", "auto-approx")
 
 
 @dataclass(frozen=True)
@@ -49,6 +58,8 @@ class Contender:
         s = self.settings
         if self.method == "sd":
             label = f"sd K={s['draft_tokens']}"
+        elif self.method == "sd-block":
+            label = f"sd K={s['draft_tokens']} block"
         elif self.method == "smc":
             label = f"smc N={s['particles']} K={s['draft_tokens']}"
             threshold = s.get("resample_threshold", SMCConfig.resample_threshold)
@@ -114,6 +125,9 @@ def build_grid(
             for k in sd_k:
                 SDConfig(k)
                 out.append(Contender("sd", {"draft_tokens": k}))
+        elif method == "sd-block":  # sd's block verification, at sd's K
+            for k in sd_k:
+                out.append(Contender(method, {"draft_tokens": k, "verify": "block"}))
         elif method == "smc":
             out += _smc_grid(smc_n, smc_k, resample_threshold, smc_power or [])
         elif method == "msd":

@@ -4,6 +4,29 @@ Each round the draft q proposes x_1..x_K, the target p scores them in one pass, 
 with probability min(1, p(x_k) / q(x_k)). At the first rejection the token is redrawn from the
 residual  max(0, p - q) / Z; if all K survive, a bonus token comes from p. The committed tokens are
 distributed exactly as p's.
+
+Block verification (`verify="block"`; Sun et al., "Block Verification Accelerates Speculative
+Decoding", ICLR 2025, Algorithm 2) tests the block jointly. Write p_i, q_i for the laws of the
+token after x_1..x_i (p_i at every i <= K, q_i at i < K). With
+
+    w_0 = 1,  w_i = min(1, w_{i-1} p_{i-1}(x_i) / q_{i-1}(x_i))          (the block's weight)
+    r_i = sum_x max(0, w_i p_i(x) - q_i(x))                              (its residual mass)
+    h_i = r_i / (r_i + 1 - w_i) for 0 < i < K,  h_K = w_K
+
+and uniforms eta_1..eta_K, the round keeps x_1..x_tau, tau the largest i with eta_i <= h_i (0 if
+none), then draws one token: from p_K if tau = K, else from max(0, w_tau p_tau - q_tau) / r_tau.
+K = 1 is the token rule. Why exact (the paper's Theorem 2, sketched): w_i q(x_1..x_i) is the part
+of the draft's mass on the prefix x_1..x_i that p can still claim, and h_i splits what reaches i
+between stopping there (and paying the residual, whose mass r_i is exactly what p puts beyond
+the drafts' share) and going on; by induction on i, the probability that the output starts with
+any given i tokens is p's, for every i, which is the law of the text. Each x_i no longer needs
+its own test to pass: a draft rejected token by token can be kept when later drafts make up for
+it, so the expected tokens per round are at least the token rule's (the paper proves it optimal
+among exact rules for one draft). A pair with w_i = 1 and r_i = 0 (p_i = q_i) leaves h_i 0 / 0:
+taken as 0 (nothing to draw there), which never decides tau, since a later i then has h_i = 1.
+
+Penalties, truncation and logit bias are in p and q as for the token rule: both rules see the
+same adjusted laws (`sampling.law`).
 """
 
 from __future__ import annotations
@@ -194,7 +217,8 @@ class SpeculativeDecoder:
         k = drafts.numel()
         state = generator.get_state()
         u = sampling.uniforms((k + 1,), generator, logp.device)  # [k + 1]
-        accepted, final = _decide(drafts, logq, logp, u)
+        block_rule = self.config.verify == "block"
+        accepted, final = self._decide(drafts, logq, logp, u)
         agree = agreement(logp[:k], sampling.to_device(logq, logp.device))  # [k]
         # The round's one wait for the device, after the K draft steps and the verify pass.
         drafts, accepted, final, agree = sampling.to_host(drafts, accepted, final, agree)
@@ -202,12 +226,20 @@ class SpeculativeDecoder:
         eos = self.target.eos_token_ids if s.stop_at_eos else frozenset()
         end = next((i for i, x in enumerate(block[:n]) if x in eos), None)
         if end is not None:  # a kept EOS: no later test, no final draw
-            _advance(generator, state, end + 1)
+            _advance(generator, state, k + 1 if block_rule else end + 1)
             return block[: end + 1], end + 1, end + 1, True, agree[: end + 1]
-        _advance(generator, state, min(n + 2, k + 1))
+        # the block rule reads every uniform, the token rule those up to its final draw
+        _advance(generator, state, k + 1 if block_rule else min(n + 2, k + 1))
         token = int(final)
         checked = min(n + 1, k)
         return [*block[:n], token], n, checked, token in eos, agree[:checked]
+
+    def _decide(
+        self, drafts: torch.Tensor, logq: torch.Tensor, logp: torch.Tensor, u: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(drafts kept, []; the final token, []) by the configured rule."""
+        rule = _decide_block if self.config.verify == "block" else _decide
+        return rule(drafts, logq, logp, u)
 
 
 def _decide(
@@ -228,6 +260,38 @@ def _decide(
     residual = _residual(logp.index_select(0, at)[0], logq.index_select(0, at)[0])
     law = torch.where(n < k, residual, logp.index_select(0, n[None])[0].double())  # [V]
     return n, sampling.sample_at(law, u.index_select(0, at + 1)[0])
+
+
+def _decide_block(
+    drafts: torch.Tensor, logq: torch.Tensor, logp: torch.Tensor, u: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block verification on the device, no host sync (the module docstring): (tau, [];
+    the final token, []), with eta_i = u_{i-1} and the final token drawn at u_k. logq [k, V],
+    logp [k + 1, V], u [k + 1]."""
+    k = drafts.numel()
+    if k == 0:
+        none = torch.zeros((), dtype=torch.long, device=logp.device)
+        return none, sampling.sample_at(logp[0], u[0])
+    p, q = logp.double().exp(), logq.double().exp()  # [k + 1, V], [k, V]
+    log_ratio = sampling.pick(logp[:k], drafts).double() - sampling.pick(logq, drafts).double()
+    log_w = [torch.zeros((), dtype=torch.float64, device=logp.device)]
+    for i in range(k):  # w_i = min(1, w_{i-1} p/q(x_i)), K <= a few dozen steps
+        log_w.append((log_w[-1] + log_ratio[i]).clamp(max=0.0))
+    w = torch.stack(log_w).exp()  # [k + 1]
+    excess = (w[:k, None] * p[:k] - q).clamp_min(0.0)  # [k, V] max(0, w_i p_i - q_i)
+    r = excess.sum(-1)  # [k]
+    denominator = r + 1 - w[:k]
+    h = torch.where(denominator > 0, r / denominator.clamp_min(1e-300), torch.zeros_like(r))
+    h = torch.cat([h[1:], w[k:]])  # [k] h_1..h_K (h_0 is no test: tau = 0 is the default)
+    stops = (u[:k] <= h).long() * torch.arange(1, k + 1, device=logp.device)  # [k]
+    tau = stops.max()  # [] the largest i with eta_i <= h_i, 0 if none
+    at = tau.clamp(max=k - 1)[None]  # [1]
+    rest = excess.index_select(0, at)[0]  # [V]
+    total = rest.sum()
+    own = logp.index_select(0, at)[0].double()  # p_tau, where the residual vanishes numerically
+    residual = torch.where(total > 0, (rest / total.clamp_min(1e-300)).log(), own)
+    law = torch.where(tau < k, residual, logp.index_select(0, tau[None])[0].double())  # [V]
+    return tau, sampling.sample_at(law, u[k])
 
 
 def _advance(generator: torch.Generator, state: torch.Tensor, used: int) -> None:

@@ -98,6 +98,7 @@ class ServeDefaults:
     method: str | None = None
     particles: int | None = None
     draft_tokens: int | None = None
+    verify: str | None = None
     resample_threshold: float | None = None
     resampling: str | None = None
     approximate: bool | None = None

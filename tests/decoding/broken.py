@@ -28,6 +28,8 @@ Bug -> what it does wrong -> the test that rejects it:
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from smcspec import sampling
@@ -249,3 +251,61 @@ def resample_keeping_weights(pop: Population, ancestors: torch.Tensor) -> None:
     log_w = pop.log_w[ancestors]
     _population_resample(pop, ancestors)
     pop.log_w = log_w
+
+
+def block_walk(drafts, logq, logp, u, bug=None):
+    """Block verification (Sun et al., Algorithm 2) as a plain loop in float64 over Python
+    numbers, sharing no code with `speculative._decide_block`: (tau, the final token). eta_i
+    is u[i - 1], the final token is drawn at u[k] by inverting the CDF in token order. bug:
+    "token residual": the residual of the token rule, max(0, p - q), unweighted by w_tau;
+    "first failure": tau is the last i before the first failed test, as the token rule walks;
+    "stale weight": h_i computed with w_{i-1} for w_i."""
+    k = len(drafts)
+    p = [[math.exp(v) for v in row] for row in logp.double().tolist()]
+    q = [[math.exp(v) for v in row] for row in logq.double().tolist()]
+    eta = u.double().tolist()
+    w = [1.0]
+    for i in range(k):
+        x = drafts[i]
+        w.append(min(1.0, w[i] * p[i][x] / q[i][x]))
+    h, excess = [], []
+    for i in range(k):
+        weight = w[i] if bug != "stale weight" else w[max(i - 1, 0)]
+        row = [max(0.0, weight * pp - qq) for pp, qq in zip(p[i], q[i], strict=True)]
+        excess.append([max(0.0, w[i] * pp - qq) for pp, qq in zip(p[i], q[i], strict=True)])
+        r = sum(row)
+        h.append(r / (r + 1 - weight) if r + 1 - weight > 0 else 0.0)
+    h = [*h[1:], w[k]]  # h_1 .. h_K
+    passed = [eta[i - 1] <= h[i - 1] for i in range(1, k + 1)]
+    if bug == "first failure":
+        tau = next((i for i, ok in enumerate(passed) if not ok), k)
+    else:
+        tau = max((i for i in range(1, k + 1) if passed[i - 1]), default=0)
+    if tau == k:
+        law = p[k]
+    elif bug == "token residual":
+        law = [max(0.0, pp - qq) for pp, qq in zip(p[tau], q[tau], strict=True)]
+    else:
+        law = excess[tau]
+    total = sum(law)
+    law = p[tau] if total <= 0 else law
+    total = sum(law)
+    acc, token = 0.0, len(law) - 1
+    for t, mass in enumerate(law):
+        acc += mass / total
+        if eta[k] < acc:
+            token = t
+            break
+    return tau, token
+
+
+class SDBlockBroken(SpeculativeDecoder):
+    """sd with `verify="block"` whose decision is `block_walk` with one bug switched on."""
+
+    def __init__(self, target, draft, config, bug):
+        super().__init__(target, draft, config)
+        self.bug = bug
+
+    def _decide(self, drafts, logq, logp, u):
+        tau, token = block_walk(drafts.tolist(), logq, logp, u, self.bug)
+        return torch.tensor(tau), torch.tensor(token)

@@ -2,9 +2,11 @@
 refuses (naming the pool and the flag that grows it), and `generate_batch` and the scheduler
 reading max_running / max_batch_tokens from the limits, their defaults from `EngineLimits`."""
 
+import time
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 from smcspec import LLM
 from smcspec.config import EngineLimits
@@ -107,3 +109,66 @@ def test_a_pool_size_for_models_without_one_is_refused(small, tiny_llama_folder,
         LLM.from_models(small.target, small.draft, limits=EngineLimits(kv_memory=0.5))
     limits = EngineLimits(max_running=3)
     assert LLM.from_models(small.target, small.draft, limits=limits).limits is limits
+
+
+# -- each limit at the limit and one past it, where the engine enforces it -------------------
+
+
+@pytest.mark.parametrize(("new_tokens", "fits"), [(109, True), (110, False)], ids=["at", "past"])
+def test_a_request_needing_the_whole_pool_runs_and_one_page_more_is_refused(
+    small, new_tokens, fits
+):
+    """3 + 109 positions fill 7 pages, with the spare page: 8, the pool; 3 + 110 need 9.
+    Failed on: the admission check `need >= cap` (at)."""
+    run = lambda: small.generate_batch(  # noqa: E731
+        [PROMPT], method="ar", max_new_tokens=new_tokens, stop_at_eos=False
+    )
+    if fits:
+        assert len(run()[0].token_ids) == new_tokens
+    else:
+        with pytest.raises(ValueError, match="needs up to 9 KV pages"):
+            run()
+
+
+@pytest.mark.parametrize(("prompt_tokens", "together"), [(4, True), (5, False)], ids=["at", "past"])
+def test_a_pass_carries_max_batch_tokens_and_not_one_more(small, prompt_tokens, together):
+    """A prompt and a step of 3 rows x 2 tokens under a budget of 10 tokens: 4 + 6 fill it and
+    go in one pass, 5 + 6 do not (the prompt, oldest, goes alone). Failed on: the budget check
+    letting a pass reach only `max_batch_tokens - 1` (at)."""
+    scheduler = Scheduler((small.target,), max_batch_tokens=10)
+    try:
+        cache = small.target.new_cache()
+        prompt = scheduler_module._Call(0, torch.ones(1, prompt_tokens, dtype=torch.long), cache, 1)
+        step = scheduler_module._Call(0, torch.ones(3, 2, dtype=torch.long), cache, 2)
+        pieces = [(c is prompt, a, b) for c, a, b in scheduler._pieces([prompt, step])]
+    finally:
+        scheduler.shutdown()
+    alone = [(True, 0, prompt_tokens)]
+    assert pieces == ([*alone, (False, 0, 2)] if together else alone)
+
+
+@pytest.mark.parametrize("max_running", [1, 2])
+def test_max_running_jobs_run_at_once_and_the_next_one_waits(
+    tiny_llama_folder, tiny_llama_draft_folder, max_running
+):
+    """max_running + 1 long jobs at once: exactly max_running of them ever run together, the
+    last waits its turn. Failed on: admission while `running < max_running - 1` (at: one fewer
+    ran) and while `running <= max_running` (past: all ran)."""
+    folders = str(tiny_llama_folder), str(tiny_llama_draft_folder)
+    llm = LLM(*folders, backend="native", dtype="float32")  # the default pool: pages never bind
+    scheduler = Scheduler((llm.target, llm.draft), max_running=max_running)
+    try:
+        plans = [
+            llm.request(PROMPT, "ar", max_new_tokens=100, stop_at_eos=False, chat=False)
+            for _ in range(max_running + 1)
+        ]
+        jobs = scheduler.submit_all([llm.job(p) for p in plans])
+        seen, end = set(), time.monotonic() + 60
+        while not all(j.future.done() for j in jobs):
+            assert time.monotonic() < end, f"jobs still running after 60 s: {sorted(seen)}"
+            seen.add((scheduler.running, scheduler.queued))
+            time.sleep(0.001)
+    finally:
+        scheduler.shutdown()
+    assert max(running for running, _ in seen) == max_running, sorted(seen)
+    assert (max_running, 1) in seen, sorted(seen)

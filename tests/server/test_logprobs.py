@@ -6,6 +6,7 @@ import math
 import pytest
 import requests
 
+from smcspec.decoding.methods import method_row
 from tests.server.conftest import MODEL
 
 PROMPT = "w1 w2 w3"
@@ -18,7 +19,9 @@ METHODS = [
 
 def offline(served, prompt, chat: bool, seed: int, top: int, max_tokens: int = 8, **extra):
     """`LLM.generate` with the server's defaults filled in (and the prompt scored)."""
-    settings = {"particles": 4, "draft_tokens": 3, "temperature": 1.0, **extra}
+    reads = method_row(extra.get("method", "auto")).settings  # as the server fills them
+    defaults = {k: v for k, v in {"particles": 4, "draft_tokens": 3}.items() if k in reads}
+    settings = defaults | {"temperature": 1.0, **extra}
     return served.llm.generate(
         prompt,
         chat=chat,

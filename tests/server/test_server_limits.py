@@ -119,3 +119,25 @@ def test_each_replica_takes_as_many_requests_as_its_llm_runs(fake_serve):
     assert chosen["graceful_shutdown_timeout_s"] == 2.5
     plain = ray_app.ReplicaSpec({"target": "t"}, ServeDefaults("m"))
     assert ray_app.application(plain, ReplicaOptions(replicas=2))["max_ongoing_requests"] == 64
+
+
+@pytest.mark.parametrize(("max_tokens", "status"), [(109, 200), (110, 400)], ids=["at", "past"])
+def test_a_request_needing_the_whole_pool_is_served_and_one_page_more_is_a_400(
+    tiny_llama_folder, tiny_llama_draft_folder, max_tokens, status
+):
+    """The HTTP path of the pool's limit (tests/engine/test_engine_limits.py has the engine's):
+    3 + 109 positions need the pool's 8 pages with the spare one, 3 + 110 need 9. Failed on:
+    pools.oversized's `need >= cap` (at)."""
+    from fastapi.testclient import TestClient
+
+    from smcspec.server.app import create_app
+
+    folders = str(tiny_llama_folder), str(tiny_llama_draft_folder)
+    llm = LLM(*folders, backend="native", dtype="float32", limits=EngineLimits(kv_pages=8))
+    body = {"model": "tiny", "prompt": [3, 4, 5], "max_tokens": max_tokens, "method": "ar"}
+    body |= {"ignore_eos": True}
+    with TestClient(create_app(llm, ServeDefaults("tiny"))) as client:
+        resp = client.post("/v1/completions", json=body)
+    assert resp.status_code == status, resp.text
+    if status == 400:
+        assert "needs up to 9 KV pages" in resp.json()["error"]["message"]

@@ -10,6 +10,7 @@ from dataclasses import fields
 from smcspec.config import (
     DEFAULT_KV_PAGES,
     MSD_DRAFT_TOKENS,
+    PROPOSALS,
     RESAMPLING_SCHEMES,
     SD_DRAFT_TOKENS,
     SD_VERIFY,
@@ -230,6 +231,21 @@ def add_verify(p: argparse.ArgumentParser) -> None:
         default=None,
         help="sd: test the drafts token by token, or the block jointly (keeps at least as many; "
         f"default {SD_VERIFY})",
+    )
+    p.add_argument(
+        "--proposal",
+        choices=PROPOSALS,
+        default=None,
+        help="sd: drafts from the draft model, from the text itself (prompt lookup: the tokens "
+        "that followed its last n-gram before), or lookup where it matches, else the draft "
+        "(default draft)",
+    )
+    p.add_argument(
+        "--lookup-ngram",
+        type=int,
+        default=None,
+        metavar="N",
+        help="sd's lookup: the longest n-gram matched, then shorter ones (default 3)",
     )
 
 

@@ -157,6 +157,8 @@ def run_serve(args: argparse.Namespace) -> int:
         particles=args.particles,
         draft_tokens=args.draft_tokens,
         verify=args.verify,
+        proposal=args.proposal,
+        lookup_ngram=args.lookup_ngram,
         resample_threshold=args.resample_threshold,
         resampling=args.resampling,
         approximate=args.approximate,

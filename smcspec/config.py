@@ -14,6 +14,9 @@ SD_DRAFT_TOKENS = 4
 # sd's verification rules: token by token, or the block jointly (decoding/speculative.py)
 VERIFY_RULES: tuple[str, ...] = ("token", "block")
 SD_VERIFY = "token"
+# where sd's drafts come from: the draft model; the text itself (prompt lookup, no draft model
+# step); the lookup where it finds a match, else the draft model
+PROPOSALS: tuple[str, ...] = ("draft", "lookup", "lookup+draft")
 SMC_PARTICLES = 2
 SMC_DRAFT_TOKENS = 8
 # msd is not measured yet (issue 28's sweep is): a round of msd at N = 1 is sd's, so its K is
@@ -225,8 +228,7 @@ def _token_id(key: object) -> int:
         shown = key if len(key) <= 20 else f"{key[:20]}... ({len(key)} characters)"
         _require(
             digits,
-            f"logit_bias: {shown!r} is not a token id (at most {MAX_TOKEN_ID_DIGITS} ASCII "
-            "digits)",
+            f"logit_bias: {shown!r} is not a token id (at most {MAX_TOKEN_ID_DIGITS} ASCII digits)",
             "logit_bias",
         )
         return int(key)
@@ -311,13 +313,24 @@ class HTTPLimits:
 class SDConfig:
     """Speculative decoding: K draft tokens per round, verified by rejection sampling. verify:
     "token" tests the drafts one by one (Leviathan et al.); "block" tests the block jointly
-    (Sun et al., block verification), which keeps at least as many tokens in expectation."""
+    (Sun et al., block verification), which keeps at least as many tokens in expectation.
+    proposal: "draft" (the draft model), "lookup" (the tokens that followed the text's last
+    n-gram, n <= lookup_ngram, where it occurred before: `decoding.lookup`), "lookup+draft"
+    (the lookup where it finds one, else the draft model)."""
 
     draft_tokens: int = SD_DRAFT_TOKENS
     verify: str = SD_VERIFY
+    proposal: str = "draft"
+    lookup_ngram: int = 3
 
     def __post_init__(self) -> None:
         _require_count(self, "draft_tokens", "draft_tokens (K)")
+        _require(
+            self.proposal in PROPOSALS,
+            f"proposal must be one of {', '.join(PROPOSALS)}, got {self.proposal!r}",
+            "proposal",
+        )
+        _require_count(self, "lookup_ngram")
         _require(
             self.verify in VERIFY_RULES,
             f"verify must be one of {', '.join(VERIFY_RULES)}, got {self.verify!r}",

@@ -16,7 +16,7 @@ from smcspec.models.toy import perturbed_lm, random_lm
 
 READS = {
     "ar": set(),
-    "sd": {"draft_tokens", "verify"},
+    "sd": {"draft_tokens", "verify", "proposal", "lookup_ngram"},
     "msd": {"particles", "draft_tokens"},
     "smc": {"particles", "draft_tokens", "resample_threshold", "resampling"},
     "auto": {"particles", "draft_tokens", "approximate"},
@@ -25,6 +25,8 @@ VALUES = {
     "particles": 2,
     "draft_tokens": 3,
     "verify": "block",
+    "proposal": "lookup",
+    "lookup_ngram": 2,
     "resample_threshold": 0.4,
     "resampling": "multinomial",
     "approximate": True,

@@ -37,6 +37,7 @@ import torch
 
 from smcspec import sampling
 from smcspec.config import SamplingConfig, SDConfig
+from smcspec.decoding import lookup
 from smcspec.decoding.agreement import Tally, agreement
 from smcspec.decoding.base import (
     DecodeResult,
@@ -87,7 +88,9 @@ class SpeculativeDecoder:
         with released() as held:
             with clock.stage("prefill"):
                 t_cache = start_cache(self.target, seq[0], 1, held)
-                d_cache = start_cache(self.draft, seq[0], 1, held)
+                # lookup alone never runs the draft model: no cache of its own to fill
+                uses_draft = self.config.proposal != "lookup"
+                d_cache = start_cache(self.draft, seq[0], 1, held) if uses_draft else None
             new: list[int] = []
             rounds = proposed = accepted_total = 0
             done = stopped = False
@@ -106,7 +109,8 @@ class SpeculativeDecoder:
                 new.extend(r.block)
                 seq = torch.cat([seq, torch.tensor([r.block])], dim=1)
                 rollback(t_cache, seq.shape[1])
-                rollback(d_cache, seq.shape[1])
+                if d_cache is not None:
+                    rollback(d_cache, seq.shape[1])
                 if not done and watch is not None and watch(new):
                     stopped = done = True
         seconds, split = clock.finish()
@@ -158,6 +162,7 @@ class SpeculativeDecoder:
         t_cache, d_cache = caches
         with clock.stage("draft"):
             drafts, logq = self._propose(seq, d_cache, k, s, generator, prompt_len)
+        k = drafts.numel()  # a lookup may find fewer than K, or none
         with clock.stage("verify"):
             head = sampling.to_device(pending(seq, t_cache), drafts.device)
             feed = torch.cat([head, drafts[None]], 1)
@@ -179,7 +184,14 @@ class SpeculativeDecoder:
         prompt_len: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K draft tokens [k] and the draft law q at each of them [k, V]. seq [1, T]: the
-        prompt (prompt_len tokens) and the text so far."""
+        prompt (prompt_len tokens) and the text so far. With a lookup proposal, the tokens
+        that followed the text's last n-gram before (up to K, maybe none) and their point
+        masses; with "lookup+draft" the draft model where the lookup finds nothing."""
+        if self.config.proposal != "draft":
+            found = lookup.continuation(seq[0].tolist(), k, self.config.lookup_ngram)
+            if found or self.config.proposal == "lookup":
+                tokens_found = torch.tensor(found, dtype=torch.long)
+                return tokens_found, lookup.point_masses(found, self.target.vocab_size)
         tokens: list[torch.Tensor] = []
         laws: list[torch.Tensor] = []
         feed = pending(seq, cache)

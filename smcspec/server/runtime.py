@@ -99,6 +99,8 @@ class ServeDefaults:
     particles: int | None = None
     draft_tokens: int | None = None
     verify: str | None = None
+    proposal: str | None = None
+    lookup_ngram: int | None = None
     resample_threshold: float | None = None
     resampling: str | None = None
     approximate: bool | None = None

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from smcspec.config import MAX_LOGPROBS, RESAMPLING_SCHEMES, VERIFY_RULES
+from smcspec.config import MAX_LOGPROBS, PROPOSALS, RESAMPLING_SCHEMES, VERIFY_RULES
 from smcspec.engine import method_names
 
 MAX_STOPS = 4
@@ -83,6 +83,8 @@ class GenerationFields(BaseModel):
     particles: int | None = None
     draft_tokens: int | None = None
     verify: str | None = Field(None, json_schema_extra={"enum": list(VERIFY_RULES)})
+    proposal: str | None = Field(None, json_schema_extra={"enum": list(PROPOSALS)})
+    lookup_ngram: int | None = None
     resample_threshold: float | None = None
     resampling: str | None = Field(None, json_schema_extra={"enum": list(RESAMPLING_SCHEMES)})
     # auto (the default method) may choose smc too

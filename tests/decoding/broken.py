@@ -309,3 +309,24 @@ class SDBlockBroken(SpeculativeDecoder):
     def _decide(self, drafts, logq, logp, u):
         tau, token = block_walk(drafts.tolist(), logq, logp, u, self.bug)
         return torch.tensor(tau), torch.tensor(token)
+
+
+class SDLookupWithDraftQ(SpeculativeDecoder):
+    """Prompt lookup whose drafts are tested as if the draft model had proposed them: the
+    ratio and the residual take the draft model's q at the looked-up tokens, not the lookup's
+    point mass (where no lookup matches, the draft model proposes, as "lookup+draft")."""
+
+    def _propose(self, seq, cache, k, s, generator, prompt_len):
+        from smcspec.decoding.base import pending
+        from smcspec.decoding.lookup import continuation
+
+        found = continuation(seq[0].tolist(), k, self.config.lookup_ngram)
+        if not found:
+            return super()._propose(seq, cache, k, s, generator, prompt_len)
+        feed, laws = pending(seq, cache), []
+        for i, x in enumerate(found):
+            logits = self.draft.forward(feed, cache, 1)[:, -1:]
+            context = [seq, torch.tensor([found[:i]], dtype=torch.long)]
+            laws.append(sampling.law(logits, s, s.proposal_temperature, context, prompt_len)[0, 0])
+            feed = torch.tensor([[x]])
+        return torch.tensor(found), torch.stack(laws)

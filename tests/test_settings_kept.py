@@ -88,7 +88,8 @@ def test_generate_under_auto_runs_only_the_n_or_k_given(toy, given, n, k):
 
 
 def test_generate_refuses_particles_for_sd(toy):
-    with pytest.raises(SettingError, match="particles is a setting of smc, msd and auto, not of sd"):
+    message = "particles is a setting of smc, msd and auto, not of sd"
+    with pytest.raises(SettingError, match=message):
         toy.generate([1, 2], "sd", particles=4)
 
 

@@ -47,10 +47,11 @@ def _add_speed(bsub) -> None:
     speed.add_argument("--prompts", type=int, default=5, help="the prompt set's first P")
     speed.add_argument(
         "--prompt-set",
-        choices=["humaneval", "gsm8k", "mt-bench"],
+        choices=["humaneval", "gsm8k", "mt-bench", "copy-edit"],
         default="humaneval",
-        help="what to time on: HumanEval's functions, GSM8K's word problems (0-999) or "
-        "MT-Bench's first turns (conversational)",
+        help="what to time on: HumanEval's functions, GSM8K's word problems (0-999), "
+        "MT-Bench's first turns (conversational) or copy-edit's 20 requests whose answers copy "
+        "the request (renames, fixes, JSON edits: prompt lookup's case)",
     )
     speed.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per run")
     speed.add_argument("--natural-stop", action="store_true", help="stop at EOS (default: ignore)")

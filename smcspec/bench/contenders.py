@@ -22,6 +22,8 @@ METHOD_NAMES = (
     "ar",
     "sd",
     "sd-block",
+    "sd-lookup",
+    "sd-lookup-draft",
     "smc",
     "msd",
     "auto",
@@ -37,13 +39,21 @@ OURS = {
     "ar": "ar",
     "sd": "sd",
     "sd-block": "sd",
+    "sd-lookup": "sd",
+    "sd-lookup-draft": "sd",
     "smc": "smc",
     "msd": "msd",
     "auto": "auto",
     "auto-approx": "auto",
 }
+# sd's variants: the settings each adds to sd's K
+SD_VARIANTS = {
+    "sd-block": {"verify": "block"},
+    "sd-lookup": {"proposal": "lookup"},
+    "sd-lookup-draft": {"proposal": "lookup+draft"},
+}
 # the methods that draft, and so run at every draft temperature asked for
-DRAFTING = ("sd", "sd-block", "smc", "msd", "auto", "auto-approx")
+DRAFTING = ("sd", "sd-block", "sd-lookup-draft", "smc", "msd", "auto", "auto-approx")
 
 
 @dataclass(frozen=True)
@@ -58,8 +68,10 @@ class Contender:
         s = self.settings
         if self.method == "sd":
             label = f"sd K={s['draft_tokens']}"
-        elif self.method == "sd-block":
-            label = f"sd K={s['draft_tokens']} block"
+        elif self.method in SD_VARIANTS:
+            label = f"sd K={s['draft_tokens']} " + " ".join(
+                s[key] for key in ("verify", "proposal") if key in s
+            )
         elif self.method == "smc":
             label = f"smc N={s['particles']} K={s['draft_tokens']}"
             threshold = s.get("resample_threshold", SMCConfig.resample_threshold)
@@ -125,9 +137,11 @@ def build_grid(
             for k in sd_k:
                 SDConfig(k)
                 out.append(Contender("sd", {"draft_tokens": k}))
-        elif method == "sd-block":  # sd's block verification, at sd's K
+        elif method in SD_VARIANTS:  # block verification or prompt lookup, at sd's K
             for k in sd_k:
-                out.append(Contender(method, {"draft_tokens": k, "verify": "block"}))
+                settings = {"draft_tokens": k, **SD_VARIANTS[method]}
+                configs_from_fields({"method": "sd", **settings})
+                out.append(Contender(method, settings))
         elif method == "smc":
             out += _smc_grid(smc_n, smc_k, resample_threshold, smc_power or [])
         elif method == "msd":

@@ -19,6 +19,7 @@ when asked to (`--held-out`).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -169,7 +170,9 @@ def task(name: str) -> Task:
 
 # `bench speed --prompt-set`: prompts to time on, and how many each set offers (GSM8K's below
 # its held-out problems; MT-Bench's first turns, conversational prompts as Spec-Bench uses)
-PROMPT_SETS = {"humaneval": 164, "gsm8k": 1000, "mt-bench": 80}
+PROMPT_SETS = {"humaneval": 164, "gsm8k": 1000, "mt-bench": 80, "copy-edit": 20}
+# shipped in the package: requests whose answers copy much of the request (prompt lookup's case)
+COPY_EDIT = Path(__file__).parent / "prompt_sets" / "copy_edit.json"
 
 
 def prompt_texts(name: str, n: int, cache_dir: str | Path | None = None) -> list[str]:
@@ -180,5 +183,7 @@ def prompt_texts(name: str, n: int, cache_dir: str | Path | None = None) -> list
         raise ValueError(f"prompts must be in [1, {PROMPT_SETS[name]}] for {name}, got {n!r}")
     if name == "mt-bench":
         return [q["turns"][0] for q in datasets.records("mt-bench", cache_dir)[:n]]
+    if name == "copy-edit":
+        return [p["prompt"] for p in json.loads(COPY_EDIT.read_text())["prompts"][:n]]
     the_task = TASKS[name]
     return [the_task.prompt(p) for p in the_task.problems(0, n, cache_dir=cache_dir)]

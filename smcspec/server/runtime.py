@@ -346,6 +346,12 @@ class Server:
         if ctx is None:
             return limit or self.defaults.max_tokens
         room = ctx - prompt_len - lookahead
+        if lookahead >= ctx:  # no prompt fits: the draft tokens are what is too many
+            raise ApiError(
+                f"draft_tokens: {lookahead} draft tokens of lookahead fill the model's context "
+                f"of {ctx}",
+                "draft_tokens",
+            )
         if room < 1:
             raise ApiError(
                 f"the prompt has {prompt_len} tokens and the model's context holds {ctx}", param

@@ -186,3 +186,31 @@ def test_speed_prompt_sets():
     grid = build_grid(["ar"], [2], [2], [2])
     with pytest.raises(ValueError, match=r"prompts must be in \[1, 80\]"):
         SpeedPlan(grid, [0.7], prompts=81, prompt_set="mt-bench")
+
+
+def test_the_copy_edit_set_ships_20_requests_whose_answers_copy_them():
+    """Shipped in the package (installed with it: pyproject's package data), each request with
+    the text its answer copies: a run of 20+ words of it stands in the request."""
+    texts = tasks.prompt_texts("copy-edit", 20)
+    assert len(texts) == len(set(texts)) == 20
+    assert all(len(t.split()) >= 20 for t in texts)
+    with pytest.raises(ValueError, match=r"prompts must be in \[1, 20\] for copy-edit"):
+        tasks.prompt_texts("copy-edit", 21)
+    from smcspec import cli
+
+    args = cli.build_parser().parse_args(["bench", "speed", "--prompt-set", "copy-edit"])
+    assert args.prompt_set == "copy-edit"
+
+
+def test_sds_variants_run_as_sd_with_their_settings():
+    from smcspec import LLM
+    from smcspec.bench.contenders import run
+    from smcspec.models.toy import perturbed_lm, random_lm
+
+    grid = build_grid(["sd-block", "sd-lookup", "sd-lookup-draft"], [3], [2], [2])
+    assert [c.label for c in grid] == ["sd K=3 block", "sd K=3 lookup", "sd K=3 lookup+draft"]
+    target = random_lm(5, seed=1)
+    llm = LLM.from_models(target, perturbed_lm(target, seed=2, noise=0.5))
+    for contender in grid:
+        out = run(llm, contender, [1, 2, 1, 2, 1], 1.0, 12, False, seed=0)
+        assert len(out["token_ids"]) == 12 and out["proposed_tokens"] > 0, contender.label

@@ -203,11 +203,6 @@ def test_a_body_cannot_say_exact_so_approximate_is_its_one_spelling(served):
 @pytest.mark.parametrize(
     ("method", "draft_tokens"), [("sd", 100_000), ("smc", 2**62), ("msd", 128)]
 )
-@pytest.mark.xfail(
-    strict=True,
-    reason="runtime.Server._token_limit blames the prompt when the lookahead alone fills the "
-    "context; its fix is in runtime.py (not this change's file)",
-)
 def test_draft_tokens_that_fill_the_context_are_a_400_naming_draft_tokens(
     served, method, draft_tokens
 ):

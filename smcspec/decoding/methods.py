@@ -273,7 +273,7 @@ def _check_read(given: Mapping[str, Any], chosen: Method) -> None:
 
 
 def _listed(words: list[str], last: str) -> str:
-    """"a", "a and b", "a, b and c"."""
+    """ "a", "a and b", "a, b and c"."""
     return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} {last} {words[-1]}"
 
 

@@ -3,11 +3,14 @@
 Pages are fixed-size slots of a KV pool. A sequence owns a page table (a list of page ids); two
 sequences that share a prefix share its pages, each holding one reference. Forking a sequence is
 copying its table and taking a reference on every page: O(pages) metadata, no KV data moved.
+
+The free list is a stack: the page freed last is handed out first. A pool is allocated whole but
+its memory becomes resident only where written, so a long run then touches only as many pages
+as it ever held at once (a queue would walk the whole pool: 4.4 GB resident during the default
+pair's cost profile, against 3.0 GB with the stack).
 """
 
 from __future__ import annotations
-
-from collections import deque
 
 
 class OutOfPages(RuntimeError):
@@ -20,7 +23,7 @@ class PageAllocator:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         self.num_pages = num_pages
         self._refs = [0] * num_pages
-        self._free: deque[int] = deque(range(num_pages))
+        self._free = list(range(num_pages - 1, -1, -1))  # a stack: page 0 on top
         self.peak_used = 0  # most pages ever in use at once (since reset_peak)
 
     @property
@@ -38,7 +41,7 @@ class PageAllocator:
         """A fresh page with one reference."""
         if not self._free:
             raise OutOfPages(f"all {self.num_pages} KV pages are in use")
-        page = self._free.popleft()
+        page = self._free.pop()
         self._refs[page] = 1
         self.peak_used = max(self.peak_used, self.used_pages)
         return page

@@ -141,7 +141,6 @@ def test_serve_kv_pages_reaches_the_server_which_refuses_a_longer_request(monkey
     one: refused, naming the pool and the flag. Failed on: run_serve dropping its limits (4096
     pages); the HTTP flags not reaching ServeDefaults.http (read_timeout 10)."""
     from smcspec.server import app as app_module
-    from smcspec.server.runtime import ApiError, Choice
 
     apps = []
 
@@ -159,8 +158,8 @@ def test_serve_kv_pages_reaches_the_server_which_refuses_a_longer_request(monkey
     try:
         limits = server.limits()
         assert (limits["kv_pages"], limits["page_size"], limits["read_timeout"]) == (8, 16, 3)
-        plan = server.llm.request([3, 4, 5], "ar", max_new_tokens=120, stop_at_eos=False)
-        with pytest.raises(ApiError, match=r"\(8 pages x 16 positions\).*--kv-pages"):
-            server.submit(Choice(0, plan))
+        # refused when planned (the server's plan turns it into a 400), before it is queued
+        with pytest.raises(ValueError, match=r"\(8 pages x 16 positions\).*--kv-pages"):
+            server.llm.request([3, 4, 5], "ar", max_new_tokens=120, stop_at_eos=False)
     finally:
         server.shutdown()

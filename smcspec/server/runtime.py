@@ -245,8 +245,10 @@ class Server:
         except ValueError as err:
             raise ApiError(str(err), "stop") from err
         potential = self._potential(body)
-        fields = self._method_fields(body) | _sampling(body, self.defaults.temperature)
+        # the request's own settings; the server's defaults fill in what its method reads
         fallback = self.defaults.method_settings
+        fields = {name: getattr(body, name, None) for name in fallback}
+        fields |= _sampling(body, self.defaults.temperature)
         try:  # every setting checked once here; per choice only the seed and length change
             decoding, sampling = configs_from_fields(fields, potential is not None, fallback)
         except SettingError as err:
@@ -264,11 +266,6 @@ class Server:
                     raise ApiError(str(err), getattr(err, "field", None)) from err
                 choices.append(Choice(len(choices), plan))
         return choices
-
-    def _method_fields(self, body: GenerationFields) -> dict[str, Any]:
-        """The request's own decoding settings (None: not given; the server's defaults fill in
-        those its method reads, `configs_from_fields`' fallback)."""
-        return {name: getattr(body, name, None) for name in self.defaults.method_settings}
 
     def _potential(self, body: GenerationFields) -> Potential | None:
         """The request's potential, built once: every choice shares it (each particle gets its

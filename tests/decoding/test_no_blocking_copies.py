@@ -107,6 +107,10 @@ READS: dict[tuple[str, str, str], tuple[str, str]] = {
     ("msd.py", "verify", "int(alive.sum())"): (HOST, "read on the CPU only"),
     ("autoregressive.py", "AutoregressiveDecoder.draw", "int(token)"): (HOST, "read back above"),
     ("speculative.py", "SpeculativeDecoder._accept", "drafts.tolist()"): (HOST, "read back"),
+    ("speculative.py", "SpeculativeDecoder._propose", "seq[0].tolist()"): (
+        HOST,
+        "the committed text, kept on the host (a lookup proposal searches it)",
+    ),
     ("speculative.py", "SpeculativeDecoder._accept", "int(accepted)"): (HOST, "read back"),
     ("speculative.py", "SpeculativeDecoder._accept", "int(final)"): (HOST, "read back"),
     ("logprobs.py", "to_host", "ids.tolist()"): (HOST, "read back above"),

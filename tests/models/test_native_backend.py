@@ -14,10 +14,9 @@ def llm(tiny_folder, tiny_draft_folder):
 @pytest.mark.parametrize("method", ["ar", "sd", "smc"])
 def test_generate_returns_every_page(llm, method):
     pools = (llm.target.kv.allocator, llm.draft.kv.allocator)
+    own = {"ar": {}, "sd": {"draft_tokens": 3}, "smc": {"particles": 4, "draft_tokens": 3}}
     for seed in range(3):
-        out = llm.generate(
-            [4, 5, 6, 7], method, particles=4, draft_tokens=3, max_new_tokens=20, seed=seed
-        )
+        out = llm.generate([4, 5, 6, 7], method, max_new_tokens=20, seed=seed, **own[method])
         assert out.token_ids
         assert [p.used_pages for p in pools] == [0, 0]
     assert pools[0].peak_used > 0

@@ -58,9 +58,9 @@ def test_default_pair_shares_a_tokenizer(llm):
 
 @pytest.mark.parametrize("method", ["ar", "sd", "smc", "msd"])
 def test_each_method_generates_on_the_default_pair(llm, method):
-    out = llm.generate(
-        PROMPT, method, particles=4, draft_tokens=3, max_new_tokens=8, seed=0, stop_at_eos=False
-    )
+    own = {"particles": 4, "draft_tokens": 3} if method in ("smc", "msd") else {}
+    own |= {"draft_tokens": 3} if method == "sd" else {}
+    out = llm.generate(PROMPT, method, max_new_tokens=8, seed=0, stop_at_eos=False, **own)
     assert len(out.token_ids) == 8 and out.text.strip()
     assert out.diagnostics["tokens_per_second"] > 0
     if method == "smc":

@@ -15,7 +15,12 @@ Z95 = 1.959963984540054
 STAGES = ("prefill", "draft", "verify", "resample", "other")
 # methods whose diagnostics count accepted and proposed drafts without a rate
 COUNTED = ("msd", "auto", "auto-approx")
-PROMPT_SET_NAMES = {"humaneval": "HumanEval", "gsm8k": "GSM8K", "mt-bench": "MT-Bench"}
+PROMPT_SET_NAMES = {
+    "humaneval": "HumanEval",
+    "gsm8k": "GSM8K",
+    "mt-bench": "MT-Bench",
+    "copy-edit": "copy-edit",
+}
 
 
 def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, float]:

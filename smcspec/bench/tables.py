@@ -230,7 +230,9 @@ def by_prompt_set(root: Path, run: str) -> str:
     mean ESS (smc). The runs follow one another, so compare ratios within a column, not tok/s
     across columns."""
     paths = {
-        name: root / run / key / "speed.jsonl" for key, name in report.PROMPT_SET_NAMES.items()
+        name: root / run / key / "speed.jsonl"
+        for key, name in report.PROMPT_SET_NAMES.items()
+        if (root / run / key / "speed.jsonl").exists()  # the sets that run timed
     }
     summaries = {name: report.speed_summary(measurements(p)) for name, p in paths.items()}
     labels = list(dict.fromkeys(r["label"] for rows in summaries.values() for r in rows))

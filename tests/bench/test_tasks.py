@@ -191,6 +191,9 @@ def test_speed_prompt_sets():
 def test_the_copy_edit_set_ships_20_requests_whose_answers_copy_them():
     """Shipped in the package (installed with it: pyproject's package data), each request with
     the text its answer copies: a run of 20+ words of it stands in the request."""
+    from smcspec.bench.report import PROMPT_SET_NAMES
+
+    assert set(PROMPT_SET_NAMES) == set(tasks.PROMPT_SETS)  # every set has its name in reports
     texts = tasks.prompt_texts("copy-edit", 20)
     assert len(texts) == len(set(texts)) == 20
     assert all(len(t.split()) >= 20 for t in texts)

@@ -42,7 +42,13 @@ def test_greedy_sd_and_msd_equal_greedy_ar_in_float32():
         PROMPT, "msd", particles=2, draft_tokens=4, **settings | {"max_new_tokens": 16}
     )
     assert msd.token_ids == ar.token_ids[:16] and msd.diagnostics["accepted_tokens"] > 0
-    del llm, ar, sd, msd
+    # sd's block rule and its prompt-lookup drafts (the same 16 tokens)
+    first = settings | {"max_new_tokens": 16}
+    block = llm.generate(PROMPT, "sd", draft_tokens=4, verify="block", **first)
+    assert block.token_ids == ar.token_ids[:16] and block.diagnostics["accepted_tokens"] > 0
+    lookup = llm.generate(PROMPT, "sd", draft_tokens=4, proposal="lookup+draft", **first)
+    assert lookup.token_ids == ar.token_ids[:16]
+    del llm, ar, sd, msd, block, lookup
     gc.collect()  # before the int8 pair loads: the two together would hold ~15 GB
 
 

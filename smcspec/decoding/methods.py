@@ -256,12 +256,11 @@ def configs_from_fields(
 
 
 def _check_read(given: Mapping[str, Any], chosen: Method) -> None:
-    """Every method setting given (not None) is one the chosen method reads; `approximate`
-    is auto's `exact` under its other name."""
+    """Every method setting given (not None) is one the chosen method reads."""
     for name, value in given.items():
         if value is None or name in SAMPLING_FIELDS or name in ("method", "allow_large"):
             continue
-        own = "exact" if name == "approximate" else name
+        own = _own_name(name)
         if own in chosen.settings:
             continue
         readers = [row.name for row in TABLE.values() if own in row.settings]
@@ -270,6 +269,11 @@ def _check_read(given: Mapping[str, Any], chosen: Method) -> None:
             f"method {_listed([repr(r) for r in readers], 'or')}, or leave {name} out",
             name,
         )
+
+
+def _own_name(name: str) -> str:
+    """A setting's name in the configs: `approximate` is auto's `exact` under its other name."""
+    return "exact" if name == "approximate" else name
 
 
 def _listed(words: list[str], last: str) -> str:
@@ -283,7 +287,7 @@ def _with_fallback(
     """given, its unset settings taken from `fallback` where the chosen method reads them."""
     out = dict(given) | {"method": chosen.name}
     for name, value in fallback.items():
-        own = "exact" if name == "approximate" else name
+        own = _own_name(name)
         if out.get(name) is None and (own in chosen.settings or own in SAMPLING_FIELDS):
             out[name] = value
     return out

@@ -34,23 +34,21 @@ METHOD_NAMES = (
     "llama-cpp-spec",
 )
 LLAMA_CPP = ("llama-cpp", "llama-cpp-spec")
-# ours: run by `LLM.generate` under the method name it knows
-OURS = {
-    "ar": "ar",
-    "sd": "sd",
-    "sd-block": "sd",
-    "sd-lookup": "sd",
-    "sd-lookup-draft": "sd",
-    "smc": "smc",
-    "msd": "msd",
-    "auto": "auto",
-    "auto-approx": "auto",
-}
 # sd's variants: the settings each adds to sd's K
 SD_VARIANTS = {
     "sd-block": {"verify": "block"},
     "sd-lookup": {"proposal": "lookup"},
     "sd-lookup-draft": {"proposal": "lookup+draft"},
+}
+# ours: run by `LLM.generate` under the method name it knows (sd's variants as sd)
+OURS = {
+    "ar": "ar",
+    "sd": "sd",
+    **dict.fromkeys(SD_VARIANTS, "sd"),
+    "smc": "smc",
+    "msd": "msd",
+    "auto": "auto",
+    "auto-approx": "auto",
 }
 # the methods that draft, and so run at every draft temperature asked for
 DRAFTING = ("sd", "sd-block", "sd-lookup-draft", "smc", "msd", "auto", "auto-approx")

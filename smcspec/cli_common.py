@@ -223,8 +223,9 @@ def add_auto(p: argparse.ArgumentParser) -> None:
     p.set_defaults(exact=None)  # no flag of its own: --approximate is its opposite
 
 
-def add_verify(p: argparse.ArgumentParser) -> None:
-    """sd's verification rule (`SDConfig.verify`); None: not given (sd's own default)."""
+def add_sd_options(p: argparse.ArgumentParser) -> None:
+    """sd's own settings (`SDConfig`): the verification rule and the proposal; None: not given
+    (sd's own default)."""
     p.add_argument(
         "--verify",
         choices=VERIFY_RULES,

@@ -16,7 +16,7 @@ from smcspec.cli_common import (
     add_model_options,
     add_particles,
     add_resampling,
-    add_verify,
+    add_sd_options,
     command,
     engine_limits,
     llm_from_args,
@@ -48,7 +48,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--allow-large", action="store_true", help=f"allow more than {MAX_PARTICLES} particles"
     )
     gen.add_argument("-k", "--draft-tokens", type=int, default=None, help=K_HELP)
-    add_verify(gen)
+    add_sd_options(gen)
     add_resampling(gen)
     add_auto(gen)
     add_sampling_flags(gen)

@@ -13,7 +13,7 @@ from smcspec.cli_common import (
     add_model_options,
     add_particles,
     add_resampling,
-    add_verify,
+    add_sd_options,
     command,
     engine_limits,
     http_limits,
@@ -49,7 +49,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument(
         "-k", "--draft-tokens", type=int, default=None, help="K for requests; " + K_HELP
     )
-    add_verify(serve)
+    add_sd_options(serve)
     add_resampling(serve)
     serve.add_argument(
         "--approximate",

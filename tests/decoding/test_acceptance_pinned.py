@@ -54,39 +54,36 @@ def model():
     return random_lm(16, seed=41, scale=1.5)
 
 
-@pytest.mark.parametrize("name", list(SETTINGS))
-def test_sd_accepts_every_draft_of_a_draft_equal_to_the_target(model, name):
-    cfg = SETTINGS[name]
-    decoder = SpeculativeDecoder(model, model, SDConfig(K))
-    g = torch.Generator().manual_seed(0)
-    proposed = 0
-    for _ in range(REQUESTS):
+def pinned_runs(decoder, model, cfg, seed: int, requests: int) -> list:
+    """`requests` decodes, each of which must accept every draft it proposed; the ones that ran
+    all their rounds (not ended by an EOS), after checking that most did: the pin has teeth."""
+    g = torch.Generator().manual_seed(seed)
+    full, proposed = [], 0
+    for _ in range(requests):
         out = decoder.decode(PROMPT, cfg, g)
         assert out.stats.accepted_tokens == out.stats.proposed_tokens, out.stats
         proposed += out.stats.proposed_tokens
-        if cfg.stop_at_eos and out.tokens[-1] in model.eos_token_ids:
-            continue
+        if not (cfg.stop_at_eos and out.tokens[-1] in model.eos_token_ids):
+            full.append(out)
+    assert proposed >= requests * K
+    return full
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_sd_accepts_every_draft_of_a_draft_equal_to_the_target(model, name):
+    decoder = SpeculativeDecoder(model, model, SDConfig(K))
+    for out in pinned_runs(decoder, model, SETTINGS[name], seed=0, requests=REQUESTS):
         assert out.rounds == 3 and out.stats.proposed_tokens == 2 * K + 2
         assert out.stats.acceptance_rate == 1.0
-    assert proposed >= REQUESTS * K  # most requests ran their rounds: the pin has teeth
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_msd_accepts_every_draft_of_a_draft_equal_to_the_target(model, name):
     """N = 3 drafts a round, each accepted: the walk reaches depth K every full round."""
-    cfg = SETTINGS[name]
     decoder = MultiDraftDecoder(model, model, MSDConfig(3, K))
-    g = torch.Generator().manual_seed(2)
-    proposed = 0
-    for _ in range(REQUESTS // 2):
-        out = decoder.decode(PROMPT, cfg, g)
-        assert out.stats.accepted_tokens == out.stats.proposed_tokens, out.stats
-        proposed += out.stats.proposed_tokens
-        if cfg.stop_at_eos and out.tokens[-1] in model.eos_token_ids:
-            continue
+    for out in pinned_runs(decoder, model, SETTINGS[name], seed=2, requests=REQUESTS // 2):
         assert out.rounds == 3 and out.stats.proposed_tokens == 2 * K + 2
         assert out.stats.accepted_lengths == [K, K, 2]
-    assert proposed >= REQUESTS // 2 * K  # most requests ran their rounds: the pin has teeth
 
 
 # q = p at the plain setting is test_smc.py's test_draft_equal_to_target_keeps_uniform_weights.

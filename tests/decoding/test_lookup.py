@@ -80,3 +80,21 @@ def test_power_lookup_tested_against_the_draft_models_q_is_caught(target, far_dr
     config = SDConfig(3, proposal="lookup+draft", lookup_ngram=2)
     samples = draw(SDLookupWithDraftQ(target, far_draft, config), cfg, seed=32, r=R_BROKEN)
     assert chi_square_pvalue(samples, sequence_law(target, PROMPT, cfg)) < ALPHA
+
+
+@pytest.mark.parametrize(
+    ("given", "field"),
+    [
+        ({"lookup_ngram": 0}, "lookup_ngram"),
+        ({"proposal": "ngram"}, "proposal"),
+        ({"verify": "tree"}, "verify"),
+    ],
+)
+def test_sds_new_settings_are_checked_at_their_bounds(given, field):
+    """lookup_ngram >= 1: 1 is taken, 0 refused; proposal and verify name their choices."""
+    from smcspec.config import SettingError
+
+    assert SDConfig(lookup_ngram=1, proposal="lookup", verify="block").lookup_ngram == 1
+    with pytest.raises(SettingError) as err:
+        SDConfig(**given)
+    assert err.value.field == field

@@ -5,16 +5,14 @@ under the limit, JSON nested past any use, hang-ups halfway through the body). E
 completes with the text it gets alone, every bad one a 4xx (no 5xx is counted), every hang-up
 frees its work and is counted as a disconnect, and the KV pages and the process's memory come
 back to where they were. Bounded: each client has a timeout and the storm runs twice. Apart,
-/health answers within 100 ms at the median and never stalls while 8 of the large bodies are
-decoded (within the storm it also waits on the generating threads' share of the GIL: up to 75 ms
-on a busy 2-core CPU)."""
+8 of the large bodies at once are refused, the token ids for their count of JSON values before
+any of them is decoded, and /health answers meanwhile (how fast is a speed, for benchmarks)."""
 
 import functools
 import json
 import os
 import random
 import socket
-import statistics
 import threading
 import time
 
@@ -23,18 +21,13 @@ import requests
 
 from smcspec.bench.serving import parse_metrics
 from smcspec.config import HTTPLimits
+from smcspec.server import bodies
 from smcspec.server.app import ServeDefaults
 from tests.server.conftest import MODEL, serve
 from tests.server.test_limits import post_raw, until
 
 CLIENTS = 48
 LIMIT = ServeDefaults(MODEL).http.max_body_bytes  # 4 MiB: the large bodies fit under it
-# /health beside large bodies: the typical (median) probe within 100 ms, and none stalled for a
-# whole body's decoding (1.4-3.4 s before bodies were bounded). A worst case under 100 ms holds
-# on a quiet machine (30-77 ms measured) but not while another xdist worker fills the other
-# core, and a suite must not fail on the machine's load: the max is printed, not held to 100 ms.
-HEALTH_S = 0.1
-HEALTH_STALL_S = 1.0
 METHODS = [
     {"method": "ar"},
     {"method": "sd", "draft_tokens": 3},
@@ -184,15 +177,34 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def probe_health(url: str, stop: threading.Event, waits: list[float]) -> None:
-    """/health round trips every 10 ms until `stop` (1000 at most), on one open connection."""
+def probe_health(url: str, stop: threading.Event, statuses: list[int | str]) -> None:
+    """/health every 10 ms, once at least, until `stop` (1000 at most), on one open connection:
+    the status of each, or the error that ended the probing (the timeout only guards a hang)."""
     with requests.Session() as session:
-        session.get(url + "/health", timeout=10)
-        while not stop.is_set() and len(waits) < 1000:
-            start = time.perf_counter()
-            assert session.get(url + "/health", timeout=10).status_code == 200
-            waits.append(time.perf_counter() - start)
+        while len(statuses) < 1000:
+            try:
+                statuses.append(session.get(url + "/health", timeout=60).status_code)
+            except requests.RequestException as err:
+                statuses.append(f"{type(err).__name__}: {err}")
+                return
+            if stop.is_set():
+                return
             time.sleep(0.01)
+
+
+class SpiedJson:
+    """Stands in for smcspec.server.bodies' `json`: records the length of each text handed to
+    `loads`, and is the json module for everything else."""
+
+    def __init__(self, decoded: list[int]) -> None:
+        self.decoded = decoded
+
+    def __getattr__(self, name: str):
+        return getattr(json, name)
+
+    def loads(self, text, *args, **kwargs):
+        self.decoded.append(len(text))
+        return json.loads(text, *args, **kwargs)
 
 
 def storm(url: str) -> dict[int, tuple[int, str]]:
@@ -285,17 +297,23 @@ def test_good_requests_survive_a_storm_of_bad_ones_and_everything_is_given_back(
     assert requests.get(faulty.url + "/health", timeout=10).json()["scheduler_alive"] is True
 
 
-def test_health_answers_within_100ms_while_large_bodies_are_decoded(faulty):
+def test_large_bodies_past_the_value_count_are_refused_before_they_are_decoded(faulty, monkeypatch):
     """8 bodies of megabytes at once (3.8 MB of token ids, 4 MB of text to /tokenize), three
-    times over: each is refused, and /health meanwhile answers within 100 ms at the median and
-    never stalls (decoding the ids once held the event loop for seconds; with the value count
-    removed the median was 0.14 s)."""
+    times over: each is refused with a 400, and /health answers 200 meanwhile. Decoding the ids
+    once held the event loop for seconds (with the value count removed /health took 0.14 s at
+    the median): the ids' bodies, with far more JSON values than the model's context allows, are
+    refused before json.loads sees them, while the text, one value, is decoded and refused for
+    its tokens. (How long a decode holds the GIL is a speed, for benchmarks; this checks which
+    bodies are decoded.)"""
     large = [i for i in range(CLIENTS) if KINDS[i % len(KINDS)] in LARGE][:8]
-    for i in large:
-        payload(i)
-    waits: list[float] = []
+    ids = {len(payload(i)) for i in large if KINDS[i % len(KINDS)] == "token ids"}
+    texts = [len(payload(i)) for i in large if KINDS[i % len(KINDS)] == "long text"]
+    assert ids and texts and not ids & set(texts)  # ASCII: a body's bytes are its text's chars
+    decoded: list[int] = []
+    monkeypatch.setattr(bodies, "json", SpiedJson(decoded))
+    statuses: list[int | str] = []
     stop = threading.Event()
-    prober = threading.Thread(target=probe_health, args=(faulty.url, stop, waits))
+    prober = threading.Thread(target=probe_health, args=(faulty.url, stop, statuses))
     prober.start()
     outcomes: dict[int, int] = {}
 
@@ -309,12 +327,12 @@ def test_health_answers_within_100ms_while_large_bodies_are_decoded(faulty):
             for t in threads:
                 t.start()
             for t in threads:
-                t.join(timeout=60)
+                t.join(timeout=180)
             assert outcomes == dict.fromkeys(large, 400)
     finally:
         stop.set()
-        prober.join(timeout=30)
-    print(f"/health: {len(waits)} probes beside 8 large bodies, max {max(waits):.3f} s")
-    assert len(waits) >= 10, waits
-    assert statistics.median(waits) < HEALTH_S, sorted(waits)[-5:]
-    assert max(waits) < HEALTH_STALL_S, sorted(waits)[-5:]
+        prober.join(timeout=120)
+    assert not prober.is_alive(), "/health hung"
+    assert statuses and set(statuses) == {200}, [s for s in statuses if s != 200][:5]
+    assert not ids & set(decoded), ("token ids past the value count reached json.loads", decoded)
+    assert sorted(decoded) == sorted(texts * 3), decoded  # the spy sees every decoded body

@@ -286,9 +286,9 @@ def cache_key(llm) -> dict[str, Any]:
 
 
 def weights_kind(dtype: str, backend: str) -> str:
-    """Which kernel int8 or int4 weights run on, and which build of smcspec's (a profile of
-    fbgemm's int8 does not price smcspec's kernel, nor one build of it another); the dtype
-    itself otherwise."""
+    """Which kernel int8 or int4 weights run on, which build of smcspec's and on which of the
+    CPU's units (a profile of fbgemm's int8 does not price smcspec's kernel, nor one build of it
+    another, nor its vector path its AMX tiles); the dtype itself otherwise."""
     if dtype not in ("int8", "int4"):
         return dtype
     if backend == "hf":  # transformers' modules, int8 on fbgemm
@@ -296,7 +296,9 @@ def weights_kind(dtype: str, backend: str) -> str:
     from smcspec.models import cpu_linear, layers
 
     kind = layers.cache_kind(dtype)
-    return f"{kind} {cpu_linear.build_key()}" if "-b16-" in kind else kind
+    if "-b16-" not in kind:
+        return kind
+    return f"{kind} {cpu_linear.build_key()} {cpu_linear.matrix_engine()}"
 
 
 def cache_path(key: Mapping[str, Any], cache_dir: str | Path | None = None) -> Path:

@@ -18,6 +18,13 @@ group's [min, max] mapped onto 0..15 (int4) or 0..255 (int8).
 
 The kernel is built once per machine with the C++ compiler (`-march=native`) into the smcspec
 cache, the first time such weights are loaded.
+
+On an Intel Xeon with AMX (Sapphire Rapids and later) the kernel multiplies several rows on the
+CPU's tile unit, where Linux grants the process its tiles (asked once; a refusal is said once and
+the vector path runs): int8 tiles from `AMX_ROWS[bits][0]` rows up, with the same sums as the
+vector path to the bit; bf16 tiles of de-quantized weights from `AMX_ROWS[bits][1]` rows up
+(prefill), which round the rows to bf16 instead of int8 per group. Measured on 2 Xeon cores
+(docs/benchmarks.md, "AMX"). `SMCSPEC_AMX=off` keeps every product on the vector path.
 """
 
 from __future__ import annotations
@@ -42,6 +49,10 @@ LANES = 16  # outputs per block of the packed layout
 SUB = {4: 8, 8: 4}  # inputs per sub-block of 64 bytes, by bits per weight
 GROUPS = (32, 64, 128, 256)  # group sizes offered (the kernel takes any multiple of 8)
 _SOURCE = Path(__file__).with_name("csrc") / "cpu_linear.cpp"
+# by weight bits: the rows from which products run on AMX int8 tiles and on bf16 tiles (2 Xeon
+# cores, gate/up and down of Qwen2.5-1.5B: int4's tiles need unpacking and win from 16 rows,
+# int8's from 8; bf16 tiles pay a de-quantization per weight and win from about 128)
+AMX_ROWS = {4: (16, 128), 8: (8, 128)}
 # -fopenmp: ATen's parallel_for is OpenMP inside torch, and compiled without it runs on one
 # thread (the extension then shares torch's own libgomp, loaded first under the same name)
 _FLAGS = ["-O3", "-march=native", "-fopenmp"]
@@ -62,7 +73,38 @@ class _Kernel:
                 self._tried = True
                 off = os.environ.get("SMCSPEC_CPU_KERNEL", "").lower() in ("0", "off", "no")
                 self._module = None if off else _build()
+                if self._module is not None:
+                    _set_amx(self._module)
             return self._module
+
+
+def _set_amx(kernel: ModuleType) -> None:
+    """The rows from which products run on AMX tiles, or never (`SMCSPEC_AMX=off`, no AMX); a
+    CPU that lists AMX whose tiles the process is refused is said once."""
+    off = os.environ.get("SMCSPEC_AMX", "").lower() in ("0", "off", "no")
+    why = kernel.amx()
+    for bits, (tiles, bf16) in AMX_ROWS.items():
+        kernel.set_amx_rows(bits, 0 if off else tiles, 0 if off else bf16)
+    if why and not off and "amx_int8" in _cpu_flags():
+        print(f"smcspec: AMX not used ({why}); the AVX-512 path runs", file=sys.stderr)
+
+
+def matrix_engine() -> str:
+    """What the kernel multiplies several rows on here: "amx", or the vector instruction set
+    (`isa()`), or "none" where the kernel is not built."""
+    kernel = KERNEL.get()
+    if kernel is None:
+        return "none"
+    off = os.environ.get("SMCSPEC_AMX", "").lower() in ("0", "off", "no")
+    return "amx" if kernel.amx() == "" and not off else kernel.isa()
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return set(next((ln for ln in text.splitlines() if ln.startswith("flags")), "").split()[2:])
 
 
 def _build() -> ModuleType | None:

@@ -202,19 +202,23 @@ def test_the_cost_cache_key_changes_with_each_field_it_names_and_nothing_else(
 
 def test_cache_key_names_the_kernel_quantized_weights_run_on(monkeypatch):
     """A profile of fbgemm's int8 must not price int8 on smcspec's kernel, nor one build of that
-    kernel another."""
+    kernel another, nor its vector path its AMX tiles."""
     from smcspec.models import cpu_linear
 
     llm = SimpleNamespace(names=("t", "d"), dtype="int8", target=SimpleNamespace(device="cpu"))
     on_kernel = cpu_linear.runs_int8()  # smcspec's kernel runs int8 on this CPU
     ours = cm.cache_key(llm)
+    monkeypatch.setattr(cpu_linear, "matrix_engine", lambda: "another unit")
+    other_unit = cm.cache_key(llm)
+    monkeypatch.undo()
     monkeypatch.setattr(cpu_linear, "build_key", lambda: "another build")
     rebuilt = cm.cache_key(llm)
     monkeypatch.setattr(cpu_linear.KERNEL, "get", lambda: None)
     fallback = cm.cache_key(llm)
     assert fallback["weights"] == "int8"
     if on_kernel:
-        assert len({ours["weights"], rebuilt["weights"], fallback["weights"]}) == 3
+        kinds = {ours["weights"], other_unit["weights"], rebuilt["weights"], fallback["weights"]}
+        assert len(kinds) == 4
     llm.dtype = "float32"
     assert cm.cache_key(llm)["weights"] == "float32"
 

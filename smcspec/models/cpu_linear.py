@@ -49,10 +49,11 @@ LANES = 16  # outputs per block of the packed layout
 SUB = {4: 8, 8: 4}  # inputs per sub-block of 64 bytes, by bits per weight
 GROUPS = (32, 64, 128, 256)  # group sizes offered (the kernel takes any multiple of 8)
 _SOURCE = Path(__file__).with_name("csrc") / "cpu_linear.cpp"
-# by weight bits: the rows from which products run on AMX int8 tiles and on bf16 tiles (2 Xeon
-# cores, gate/up and down of Qwen2.5-1.5B: int4's tiles need unpacking and win from 16 rows,
-# int8's from 8; bf16 tiles pay a de-quantization per weight and win from about 128)
-AMX_ROWS = {4: (16, 128), 8: (8, 128)}
+# by weight bits: the rows from which products run on AMX int8 tiles and on bf16 tiles, from
+# `scripts/cpu_kernels` on 2 Xeon cores at Qwen2.5-1.5B's shapes (benchmarks/cpu/amx/kernels.md):
+# int4's int8 tiles need unpacking and lead from 16 rows, int8's from 8; bf16 tiles pay a
+# de-quantization per weight whatever the rows and lead from 64 rows (int4) and 128 (int8)
+AMX_ROWS = {4: (16, 64), 8: (8, 128)}
 # -fopenmp: ATen's parallel_for is OpenMP inside torch, and compiled without it runs on one
 # thread (the extension then shares torch's own libgomp, loaded first under the same name)
 _FLAGS = ["-O3", "-march=native", "-fopenmp"]

@@ -18,6 +18,19 @@ pytestmark = pytest.mark.skipif(
 BITS = pytest.mark.parametrize("bits", [4, 8])
 
 
+@pytest.fixture(autouse=True)
+def int8_activations():
+    """Every product here on a path that rounds activations to int8 per group (AVX-512, or
+    AMX's int8 tiles, bit-identical to it), never AMX's bf16 tiles: test_cpu_linear_amx checks
+    those against their own arithmetic."""
+    kernel = cpu_linear.KERNEL.get()
+    rows = cpu_linear.AMX_ROWS
+    old = {bits: kernel.set_amx_rows(bits, tiles, 0) for bits, (tiles, _) in rows.items()}
+    yield
+    for bits, pair in old.items():
+        kernel.set_amx_rows(bits, *pair)
+
+
 def weights_by_hand(w: torch.Tensor, bits: int, group: int) -> torch.Tensor:
     """The weights the kernel should multiply by, written out apart from it: each group of
     `group` inputs maps [min, max] onto 0..2^bits - 1 with a float16 step and offset."""

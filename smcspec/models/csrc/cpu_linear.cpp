@@ -391,7 +391,7 @@ const std::string& amx_refusal() {
 
 // From how many rows products run on int8 tiles and on bf16 tiles, by weight bits (4, 8);
 // `smcspec.models.cpu_linear` sets them from its measurements.
-int64_t amx_tiles_from[2] = {16, 8}, amx_bf16_from[2] = {128, 128};
+int64_t amx_tiles_from[2] = {16, 8}, amx_bf16_from[2] = {64, 128};
 constexpr int64_t kNever = int64_t{1} << 62;
 
 struct TileConfig {

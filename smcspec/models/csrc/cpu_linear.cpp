@@ -87,6 +87,35 @@ struct TileLayout {
   bool nibbles = false;
 };
 
+// The largest |x| of a group (an entry that is NaN is passed over, as std::max passes it).
+inline float group_peak(const float* src, int64_t group) {
+  int64_t k = 0;
+  float peak = 0.f;
+#if SMCSPEC_AVX512
+  __m512 top = _mm512_setzero_ps();
+  for (; k + 16 <= group; k += 16)  // maxps returns its second operand where one is NaN
+    top = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(src + k)), top);
+  peak = _mm512_reduce_max_ps(top);
+#endif
+  for (; k < group; ++k) peak = std::max(peak, std::fabs(src[k]));
+  return peak;
+}
+
+#if SMCSPEC_AVX512
+// x * inv rounded to the nearest integer, ties to even (nearbyint's rounding under the default
+// mode), stored as int8; returns their sum. `group` a multiple of 16.
+inline int32_t round_group(const float* src, int64_t group, float inv, int8_t* dst) {
+  const __m512 factor = _mm512_set1_ps(inv);
+  __m512i sum = _mm512_setzero_si512();
+  for (int64_t k = 0; k < group; k += 16) {
+    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(src + k), factor));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + k), _mm512_cvtepi32_epi8(q));
+    sum = _mm512_add_epi32(sum, q);
+  }
+  return _mm512_reduce_add_epi32(sum);
+}
+#endif
+
 Rows quantize_rows(const float* x, int64_t m_rows, int64_t k_in, int64_t group,
                    TileLayout tiles = {}) {
   const int64_t groups = k_in / group, chunk = tiles.chunk;
@@ -100,8 +129,7 @@ Rows quantize_rows(const float* x, int64_t m_rows, int64_t k_in, int64_t group,
     for (int64_t i = begin; i < end; ++i) {
       const int64_t m = i / groups, g = i % groups;
       const float* src = x + m * k_in + g * group;
-      float peak = 0.f;
-      for (int64_t k = 0; k < group; ++k) peak = std::max(peak, std::fabs(src[k]));
+      const float peak = group_peak(src, group);
       const float scale = peak / 127.f, inv = peak > 0.f ? 127.f / peak : 0.f;
       int32_t total = 0;
       for (int64_t k0 = 0; k0 < group; k0 += chunk ? chunk : group) {
@@ -110,6 +138,19 @@ Rows quantize_rows(const float* x, int64_t m_rows, int64_t k_in, int64_t group,
           const int64_t c = (g * group + k0) / chunk;
           dst = r.q.data() + ((m / 16 * (k_in / chunk) + c) * 16 + m % 16) * chunk;
         }
+#if SMCSPEC_AVX512
+        const int64_t n = chunk ? chunk : group;
+        if (n % 16 == 0 && n <= 256) {  // the same roundings as below, 16 at a time
+          if (!tiles.nibbles) {
+            total += round_group(src + k0, n, inv, dst);
+          } else {
+            int8_t rounded[256];
+            total += round_group(src + k0, n, inv, rounded);
+            for (int64_t k = 0; k < n; ++k) dst[order[k]] = rounded[k];
+          }
+          continue;
+        }
+#endif
         for (int64_t k = 0; k < (chunk ? chunk : group); ++k) {
           const int32_t q = static_cast<int32_t>(std::nearbyint(src[k0 + k] * inv));
           dst[chunk ? order[k] : k] = static_cast<int8_t>(q);

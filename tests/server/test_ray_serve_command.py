@@ -31,6 +31,7 @@ MODEL = "tiny-pair"
 KEY = "sk-ray-shutdown-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 GRACE_S = 1.0
+BIND_TRIES = 3  # starts of the server, each on a fresh port, before the fixture fails
 EXIT_S = 45.0  # the drain, then Serve's and Ray's own clean-up on a busy 2-core machine
 
 
@@ -55,22 +56,31 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(tiny_llama_folder, tiny_llama_draft_folder, tmp_path_factory):
-    port = free_port()
-    cmd = [sys.executable, "-m", "smcspec", "serve", "--replicas", "2", "--replica-cpus", "0.5"]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--api-key", KEY]
-    cmd += ["--target", str(tiny_llama_folder), "--draft", str(tiny_llama_draft_folder)]
-    cmd += ["--dtype", "float32", "--model-name", MODEL, "--shutdown-timeout", str(GRACE_S)]
-    log = tmp_path_factory.mktemp("ray-serve") / "serve.log"
+    folder = tmp_path_factory.mktemp("ray-serve")
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    handle = Served(f"http://127.0.0.1:{port}", port, proc)
+    for attempt in range(BIND_TRIES):
+        # a port free when asked may be taken before Ray's proxy binds it (Ray's own daemons
+        # bind ports meanwhile): a start that fails to bind tries another port
+        port = free_port()
+        cmd = [sys.executable, "-m", "smcspec", "serve", "--replicas", "2"]
+        cmd += ["--replica-cpus", "0.5", "--host", "127.0.0.1", "--port", str(port)]
+        cmd += ["--api-key", KEY, "--target", str(tiny_llama_folder)]
+        cmd += ["--draft", str(tiny_llama_draft_folder), "--dtype", "float32"]
+        cmd += ["--model-name", MODEL, "--shutdown-timeout", str(GRACE_S)]
+        log = folder / f"serve-{attempt}.log"
+        with open(log, "w") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        handle = Served(f"http://127.0.0.1:{port}", port, proc)
+        try:
+            wait_ready(handle.url, proc, timeout=240, replicas=2)
+            break
+        except RuntimeError:
+            _stop(handle)
+            if "Failed to bind to address" not in log.read_text() or attempt + 1 == BIND_TRIES:
+                pytest.fail(f"smcspec serve did not come up: {log.read_text()[-3000:]}")
     try:
-        wait_ready(handle.url, proc, timeout=240, replicas=2)
         handle.processes()
         yield handle
-    except RuntimeError:
-        pytest.fail(f"smcspec serve did not come up: {log.read_text()[-3000:]}")
     finally:
         _stop(handle)
 

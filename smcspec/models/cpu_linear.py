@@ -72,8 +72,7 @@ class _Kernel:
         with self._lock:
             if not self._tried:
                 self._tried = True
-                off = os.environ.get("SMCSPEC_CPU_KERNEL", "").lower() in ("0", "off", "no")
-                self._module = None if off else _build()
+                self._module = None if _turned_off("SMCSPEC_CPU_KERNEL") else _build()
                 if self._module is not None:
                     _set_amx(self._module)
             return self._module
@@ -82,7 +81,7 @@ class _Kernel:
 def _set_amx(kernel: ModuleType) -> None:
     """The rows from which products run on AMX tiles, or never (`SMCSPEC_AMX=off`, no AMX); a
     CPU that lists AMX whose tiles the process is refused is said once."""
-    off = os.environ.get("SMCSPEC_AMX", "").lower() in ("0", "off", "no")
+    off = _turned_off("SMCSPEC_AMX")
     why = kernel.amx()
     for bits, (tiles, bf16) in AMX_ROWS.items():
         kernel.set_amx_rows(bits, 0 if off else tiles, 0 if off else bf16)
@@ -96,16 +95,25 @@ def matrix_engine() -> str:
     kernel = KERNEL.get()
     if kernel is None:
         return "none"
-    off = os.environ.get("SMCSPEC_AMX", "").lower() in ("0", "off", "no")
-    return "amx" if kernel.amx() == "" and not off else kernel.isa()
+    return "amx" if kernel.amx() == "" and not _turned_off("SMCSPEC_AMX") else kernel.isa()
 
 
-def _cpu_flags() -> set[str]:
+def _turned_off(variable: str) -> bool:
+    """Whether the environment sets `variable` to 0, off or no."""
+    return os.environ.get(variable, "").lower() in ("0", "off", "no")
+
+
+def _flags_line() -> str | None:
+    """/proc/cpuinfo's first line of flags ("" where it has none), None where it cannot be read."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
-    return set(next((ln for ln in text.splitlines() if ln.startswith("flags")), "").split()[2:])
+        return None
+    return next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+
+
+def _cpu_flags() -> set[str]:
+    return set((_flags_line() or "").split()[2:])
 
 
 def _build() -> ModuleType | None:
@@ -163,11 +171,8 @@ def build_key() -> str:
     (`-march=native`), so a cache shared between machines never runs another CPU's build."""
     h = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode())
     h.update(f"{torch.__version__} {platform.machine()} {sys.version_info[:2]}".encode())
-    try:
-        flags = [ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln[:5] == "flags"]
-        h.update(flags[0].encode() if flags else b"")
-    except OSError:
-        h.update(platform.processor().encode())
+    flags = _flags_line()
+    h.update((platform.processor() if flags is None else flags).encode())
     return h.hexdigest()[:12]
 
 

@@ -132,14 +132,14 @@ Rows quantize_rows(const float* x, int64_t m_rows, int64_t k_in, int64_t group,
       const float peak = group_peak(src, group);
       const float scale = peak / 127.f, inv = peak > 0.f ? 127.f / peak : 0.f;
       int32_t total = 0;
-      for (int64_t k0 = 0; k0 < group; k0 += chunk ? chunk : group) {
+      const int64_t n = chunk ? chunk : group;  // inputs per stretch of consecutive bytes
+      for (int64_t k0 = 0; k0 < group; k0 += n) {
         int8_t* dst = r.q.data() + m * k_in + g * group + k0;
         if (chunk) {  // tile m / 16, chunk (g * group + k0) / chunk, row m % 16
           const int64_t c = (g * group + k0) / chunk;
           dst = r.q.data() + ((m / 16 * (k_in / chunk) + c) * 16 + m % 16) * chunk;
         }
 #if SMCSPEC_AVX512
-        const int64_t n = chunk ? chunk : group;
         if (n % 16 == 0 && n <= 256) {  // the same roundings as below, 16 at a time
           if (!tiles.nibbles) {
             total += round_group(src + k0, n, inv, dst);
@@ -151,7 +151,7 @@ Rows quantize_rows(const float* x, int64_t m_rows, int64_t k_in, int64_t group,
           continue;
         }
 #endif
-        for (int64_t k = 0; k < (chunk ? chunk : group); ++k) {
+        for (int64_t k = 0; k < n; ++k) {
           const int32_t q = static_cast<int32_t>(std::nearbyint(src[k0 + k] * inv));
           dst[chunk ? order[k] : k] = static_cast<int8_t>(q);
           total += q;
@@ -187,6 +187,19 @@ inline __m512i broadcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
+// A block's 16 fp16 values (a group's scales, or its offsets) as floats.
+inline __m512 load_halves(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// One group's int32 sums of a row added to the row's 16 outputs: weight scale x row scale x sum,
+// plus the weights' offset x the row's scaled sum. Every path (VNNI, AMX tiles) scales through
+// here, in group order, so they agree bit for bit.
+inline __m512 add_group(__m512 acc, __m512i dot, __m512 scale, __m512 lo, float xs, float xsum) {
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_set1_ps(xs)), acc);
+  return _mm512_fmadd_ps(lo, _mm512_set1_ps(xsum), acc);
+}
+
 template <int Bits, int R>
 void rows_of_block(const Block& b, const View& v) {
   constexpr int64_t sub = kSub<Bits>;
@@ -217,15 +230,11 @@ void rows_of_block(const Block& b, const View& v) {
       }
     }
     const at::Half* sl = b.scales + g * 2 * kLanes;
-    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sl)));
-    const __m512 lo =
-        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sl + kLanes)));
+    const __m512 scale = load_halves(sl), lo = load_halves(sl + kLanes);
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m512 s = _mm512_mul_ps(scale, _mm512_set1_ps(v.scale[r * b.groups + g]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), s, acc[r]);
-      acc[r] = _mm512_fmadd_ps(lo, _mm512_set1_ps(v.sum[r * b.groups + g]), acc[r]);
-    }
+    for (int r = 0; r < R; ++r)
+      acc[r] = add_group(acc[r], dot[r], scale, lo, v.scale[r * b.groups + g],
+                         v.sum[r * b.groups + g]);
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(v.y + r * v.n_out, acc[r]);
 }
@@ -276,16 +285,11 @@ void rows_of_pair(const Block& b, int64_t next, const View& v) {
 #pragma GCC unroll 2
     for (int c = 0; c < 2; ++c) {
       const at::Half* sl = scales[c] + g * 2 * kLanes;
-      const __m512 scale =
-          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sl)));
-      const __m512 lo =
-          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sl + kLanes)));
+      const __m512 scale = load_halves(sl), lo = load_halves(sl + kLanes);
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const __m512 s = _mm512_mul_ps(scale, _mm512_set1_ps(v.scale[r * b.groups + g]));
-        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][c]), s, acc[r][c]);
-        acc[r][c] = _mm512_fmadd_ps(lo, _mm512_set1_ps(v.sum[r * b.groups + g]), acc[r][c]);
-      }
+      for (int r = 0; r < R; ++r)
+        acc[r][c] = add_group(acc[r][c], dot[r][c], scale, lo, v.scale[r * b.groups + g],
+                              v.sum[r * b.groups + g]);
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -394,16 +398,16 @@ void rows_of_block(const Block& b, const View& v) {
 
 #if SMCSPEC_AMX
 
-// AMX, first way (`amx_tiles`): a tile multiply C[16, 16] += A[16, chunk] B[chunk, 16] of int8
+// AMX, first way (`multiply_amx`): a tile multiply C[16, 16] += A[16, chunk] B[chunk, 16] of int8
 // by uint8 (tdpbsud), 16 rows x 16 outputs x 32 or 64 inputs per instruction. B's layout is the
 // packed int8 one: a tile row holds 4 inputs of each of the 16 outputs, which is a sub-block, so
 // a block's int8 weights are its tiles as they are stored. int4 weights are unpacked to int8
 // tiles a group at a time (`unpack_group`), and the activations are stored tile by tile in the
 // matching order (`TileLayout`). Each group's int32 sums leave the tiles and are scaled in
-// AVX-512 float exactly as `rows_of_block` scales them, group by group in the same order, so a
+// AVX-512 float by `add_group`, as the VNNI loops scale theirs, group by group in order, so a
 // row's outputs are bit-identical to the VNNI path's at any number of rows. That per-group
 // scaling, a float multiply-add per row, block and group of 32 inputs, costs about what the
-// integer products cost, and bounds this way at about 1.3x the VNNI path.
+// integer products cost, and bounds this way at 1.0-1.9x the VNNI path's speed.
 //
 // Linux hands out tile state only to a process that asks (`arch_prctl`), once, before the first
 // tile instruction; the tile configuration is per thread and is loaded by every worker before
@@ -528,26 +532,24 @@ struct AmxPipe {
     const float* __restrict xsum = p.x->sum.data() + (p.m0 + t * kAmxRows) * groups + g;
     for (int b = 0; b < Count; ++b) {
       const at::Half* s = p.sl[b] + g * 2 * kLanes;
-      const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
-      const __m512 lo =
-          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + kLanes)));
+      const __m512 scale = load_halves(s), lo = load_halves(s + kLanes);
       float* __restrict acc = p.acc + t * kAmxRows * 2 * kLanes + b * kLanes;
       const int32_t(*__restrict dots)[kLanes] = sums[parity][b];
       if (rows == kAmxRows) {
 #pragma GCC unroll 16
-        for (int r = 0; r < kAmxRows; ++r) scale_row(acc + r * 2 * kLanes, dots[r], scale, lo, xs[r * groups], xsum[r * groups]);
+        for (int r = 0; r < kAmxRows; ++r)
+          scale_row(acc + r * 2 * kLanes, dots[r], scale, lo, xs[r * groups], xsum[r * groups]);
       } else {
-        for (int r = 0; r < rows; ++r) scale_row(acc + r * 2 * kLanes, dots[r], scale, lo, xs[r * groups], xsum[r * groups]);
+        for (int r = 0; r < rows; ++r)
+          scale_row(acc + r * 2 * kLanes, dots[r], scale, lo, xs[r * groups], xsum[r * groups]);
       }
     }
   }
 
   static inline void scale_row(float* acc, const int32_t* dot, __m512 scale, __m512 lo, float xs,
                                float xsum) {
-    __m512 v = _mm512_load_ps(acc);
-    const __m512 d = _mm512_cvtepi32_ps(_mm512_load_si512(dot));
-    v = _mm512_fmadd_ps(d, _mm512_mul_ps(scale, _mm512_set1_ps(xs)), v);
-    _mm512_store_ps(acc, _mm512_fmadd_ps(lo, _mm512_set1_ps(xsum), v));
+    const __m512i d = _mm512_load_si512(dot);
+    _mm512_store_ps(acc, add_group(_mm512_load_ps(acc), d, scale, lo, xs, xsum));
   }
 };
 
@@ -675,7 +677,8 @@ inline void dequant_sub(__m512i q, const __m512* scale4, const __m512* lo4, __m5
   const __m512 f3 = dequant16(_mm512_extracti32x4_epi32(q, 3), scale4[3], lo4[3]);
   const __m512bh b01 = _mm512_cvtne2ps_pbh(f1, f0);  // outputs 0-7, 4 inputs each
   const __m512bh b23 = _mm512_cvtne2ps_pbh(f3, f2);  // outputs 8-15
-  const __m512i lo = reinterpret_cast<const __m512i&>(b01), hi = reinterpret_cast<const __m512i&>(b23);
+  const __m512i lo = reinterpret_cast<const __m512i&>(b01);
+  const __m512i hi = reinterpret_cast<const __m512i&>(b23);
   _mm512_storeu_si512(row, _mm512_permutex2var_epi16(lo, even_odd, hi));
   _mm512_storeu_si512(row + 32, _mm512_permutex2var_epi16(lo, odd_odd, hi));
 }
@@ -700,9 +703,7 @@ void dequant_block(const uint8_t* packed, const at::Half* sl, int64_t k_in, int6
   constexpr int64_t sub = kSub<Bits>;
   for (int64_t g = 0; g < k_in / group; ++g) {
     const at::Half* s = sl + g * 2 * kLanes;
-    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
-    const __m512 lo =
-        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + kLanes)));
+    const __m512 scale = load_halves(s), lo = load_halves(s + kLanes);
     __m512 scale4[4], lo4[4];
     for (int q = 0; q < 4; ++q) {
       scale4[q] = _mm512_permutexvar_ps(quad[q], scale);
@@ -878,16 +879,16 @@ std::string isa() {
 #endif
 }
 
-// "" where products of `amx_rows()` rows and more run on AMX tiles, else why they do not.
+// "" where products of enough rows (`set_amx_rows`) run on AMX tiles, else why they do not.
 std::string amx() {
 #if SMCSPEC_AMX
   return amx_refusal();
 #else
-  return "the kernel was built without AMX (this CPU or compiler lacks AMX-INT8, AMX-BF16 or AVX512-BF16)";
+  return "the kernel was built without AMX "
+         "(this CPU or compiler lacks AMX-INT8, AMX-BF16 or AVX512-BF16)";
 #endif
 }
 
-// From how many rows products run on AMX tiles (where `amx()` is ""); returns the old value.
 // From how many rows `bits`-bit weights run on AMX int8 tiles and on bf16 tiles (where
 // `amx()` is ""); 0 for never. Returns the old pair.
 std::vector<int64_t> set_amx_rows(int64_t bits, int64_t tiles_from, int64_t bf16_from) {

@@ -154,8 +154,10 @@ def _convert(gguf: Path, folder: Path) -> None:
 
     print(f"smcspec: converting {gguf.name} to {folder} (once)", file=sys.stderr)
     source = dict(pretrained_model_name_or_path=str(gguf.parent), gguf_file=gguf.name)
-    tokenizer = AutoTokenizer.from_pretrained(**source)
     config = AutoConfig.from_pretrained(**source, dtype=torch.float32)
+    # named, the tokenizer's class is not found from a config transformers would read from the
+    # GGUF again (its legacy reader: 7-9 s a file, for the same config)
+    tokenizer = AutoTokenizer.from_pretrained(**source, tokenizer_type=config.model_type)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the weights we store are plain fp32
     weights = gguf_loader.GGUFWeights(gguf, torch.float32)

@@ -3,13 +3,20 @@ with Hugging Face parameter names, for the native model.
 
 The weights are read lazily (`GGUFWeights`): a tensor is de-quantized when it is asked for, a
 chunk of rows at a time from the file, so that a reader holds one float tensor, never a whole
-float model (Qwen2.5-Coder-1.5B: 7.1 GB in float32, its largest tensor 0.93 GB)."""
+float model (Qwen2.5-Coder-1.5B: 7.1 GB in float32, its largest tensor 0.93 GB).
+
+The metadata and tensor table are read by `Header`, which walks past the vocabulary's string
+arrays instead of building them: gguf's `GGUFReader` makes a numpy view of every element of
+them, 7 s a file for Qwen2.5's 152k tokens and 151k merges, and a cold start read each file
+three times."""
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -50,35 +57,149 @@ def read(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[dict, GG
     return config(path), weights(path, dtype)
 
 
+# GGUF's metadata value types: fixed-size scalars by struct format; 8 is a string, 9 an array
+_SCALARS = dict(zip((0, 1, 2, 3, 4, 5, 6, 7, 10, 11, 12), "BbHhIif?Qqd", strict=True))
+_STRING, _ARRAY = 8, 9
+GGUF_VERSIONS = (2, 3)
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a GGUF file's table: its GGUF name, shape in torch order (ggml lists the
+    innermost dimension first), quantization type, and where its bytes lie in the file."""
+
+    name: str
+    shape: tuple[int, ...]
+    qtype: int  # gguf.GGMLQuantizationType
+    offset: int  # of its first byte in the file
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Header:
+    """A GGUF file's metadata and tensor table, read without touching the tensor data. String
+    arrays (the vocabulary, the merges) are walked past and kept as their length; scalars,
+    strings and arrays of numbers are kept as values."""
+
+    metadata: dict[str, Any]
+    tensors: dict[str, TensorEntry]
+
+    @classmethod
+    def read(cls, path: str | Path) -> Header:
+        """The header of the GGUF file at `path`; ValueError naming the file where it is none
+        (no magic bytes, another version, cut short)."""
+        try:
+            return cls._read(path)
+        except (struct.error, UnicodeDecodeError, KeyError) as err:
+            raise ValueError(f"{path} is not a readable GGUF file ({err})") from None
+
+    @classmethod
+    def _read(cls, path: str | Path) -> Header:
+        import gguf
+
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise ValueError(f"{path} is not a GGUF file (no GGUF magic bytes)")
+            version, tensor_count, kv_count = struct.unpack("<IQQ", f.read(20))
+            if version not in GGUF_VERSIONS:
+                raise ValueError(f"{path}: GGUF version {version} is not supported")
+            metadata = {}
+            for _ in range(kv_count):
+                key = _string(f)
+                (kind,) = struct.unpack("<I", f.read(4))
+                metadata[key] = _value(f, kind)
+            table = []
+            for _ in range(tensor_count):
+                name = _string(f)
+                (dims,) = struct.unpack("<I", f.read(4))
+                shape = struct.unpack(f"<{dims}Q", f.read(8 * dims))
+                qtype, offset = struct.unpack("<IQ", f.read(12))
+                table.append((name, tuple(int(d) for d in reversed(shape)), qtype, offset))
+            align = int(metadata.get("general.alignment", 32))
+            data_start = -(-f.tell() // align) * align
+        tensors = {}
+        for name, shape, qtype, offset in table:
+            try:
+                block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
+            except ValueError:
+                raise ValueError(f"{path}: tensor {name} is of unknown ggml type {qtype}") from None
+            count = int(np.prod(shape, dtype=np.int64))
+            nbytes = count // block * block_bytes
+            tensors[name] = TensorEntry(name, shape, qtype, data_start + offset, nbytes)
+        return cls(metadata, tensors)
+
+    def field(self, key: str, default=None):
+        value = self.metadata.get(key)
+        if value is None:
+            if default is None:
+                raise ValueError(f"GGUF file lacks {key}")
+            return default
+        return value
+
+    def architecture(self) -> str:
+        arch = str(self.field("general.architecture"))
+        if arch not in ARCHITECTURES:
+            raise ValueError(
+                f"GGUF architecture {arch!r} is not supported (supported: {ARCHITECTURES})"
+            )
+        return arch
+
+
+def _string(f: BinaryIO) -> str:
+    (length,) = struct.unpack("<Q", f.read(8))
+    raw = f.read(length)
+    if len(raw) != length:
+        raise struct.error(f"a string of {length} bytes cut short")
+    return raw.decode("utf-8")
+
+
+def _value(f: BinaryIO, kind: int):
+    if kind in _SCALARS:
+        fmt = "<" + _SCALARS[kind]
+        return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+    if kind == _STRING:
+        return _string(f)
+    if kind != _ARRAY:
+        raise ValueError(f"GGUF metadata value of unknown type {kind}")
+    item, count = struct.unpack("<IQ", f.read(12))
+    if item in _SCALARS:
+        fmt = f"<{count}{_SCALARS[item]}"
+        return list(struct.unpack(fmt, f.read(struct.calcsize(fmt))))
+    if item == _STRING:  # walked past: the vocabulary and merges, read by the tokenizer
+        for _ in range(count):
+            (length,) = struct.unpack("<Q", f.read(8))
+            f.seek(length, 1)
+        return count
+    return [_value(f, item) for _ in range(count)]
+
+
 def config(path: str | Path) -> dict:
     """The HF-style config dict of a GGUF file, from its metadata (no weight is de-quantized).
 
     RoPE scaling is carried over, never dropped: `{arch}.rope.scaling.*` (linear, yarn) becomes
     `rope_scaling`, and the `rope_freqs` tensor llama.cpp writes for Llama 3.1-style (`llama3`)
     scaling becomes `rope_freq_factors` (inv_freq is divided by them)."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    arch = _architecture(reader)
-    tensors = {t.name: t for t in reader.tensors}
-    heads = int(_field(reader, f"{arch}.attention.head_count"))
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
-    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
+    reader = Header.read(path)
+    arch = reader.architecture()
+    tensors = reader.tensors
+    heads = int(reader.field(f"{arch}.attention.head_count"))
+    hidden = int(reader.field(f"{arch}.embedding_length"))
+    head_dim = int(reader.field(f"{arch}.attention.key_length", hidden // heads))
     cfg = {
         "model_type": arch,
-        "vocab_size": int(tensors["token_embd.weight"].shape[-1]),  # ggml: innermost dim first
+        "vocab_size": int(tensors["token_embd.weight"].shape[0]),  # [vocab, hidden]
         "hidden_size": hidden,
         "head_dim": head_dim,
-        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
-        "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
+        "intermediate_size": int(reader.field(f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(reader.field(f"{arch}.block_count")),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "num_key_value_heads": int(reader.field(f"{arch}.attention.head_count_kv", heads)),
+        "rope_theta": float(reader.field(f"{arch}.rope.freq_base", 10000.0)),
+        "rms_norm_eps": float(reader.field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         "tie_word_embeddings": "output.weight" not in tensors,
-        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 4096)),
+        "max_position_embeddings": int(reader.field(f"{arch}.context_length", 4096)),
     }
-    rotated = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
+    rotated = int(reader.field(f"{arch}.rope.dimension_count", head_dim))
     if rotated != head_dim:  # for `rope.from_hf` to refuse
         cfg["partial_rotary_factor"] = rotated / head_dim
     scaling = rope_scaling(reader, arch)
@@ -86,7 +207,8 @@ def config(path: str | Path) -> dict:
         cfg["rope_scaling"] = scaling
     if "rope_freqs.weight" in tensors:
         t = tensors["rope_freqs.weight"]
-        cfg["rope_freq_factors"] = gguf.quants.dequantize(t.data, t.tensor_type).ravel().tolist()
+        stored = _Stored(t.qtype, t.shape, t.offset, t.nbytes, 0)
+        cfg["rope_freq_factors"] = _dequantize(Path(path), stored).ravel().tolist()
     return cfg
 
 
@@ -121,23 +243,20 @@ class GGUFWeights:
     by block), with llama.cpp's q/k row permutation undone for Llama and Mistral."""
 
     def __init__(self, path: str | Path, dtype: torch.dtype = torch.float32) -> None:
-        import gguf
-
-        reader = gguf.GGUFReader(str(path))
-        arch = _architecture(reader)
-        heads = int(_field(reader, f"{arch}.attention.head_count"))
-        kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", heads))
+        reader = Header.read(path)
+        arch = reader.architecture()
+        heads = int(reader.field(f"{arch}.attention.head_count"))
+        kv_heads = int(reader.field(f"{arch}.attention.head_count_kv", heads))
         permuted = {"q_proj.weight": heads, "k_proj.weight": kv_heads}
         self.path, self.dtype = Path(path), dtype
         self._stored: dict[str, _Stored] = {}
-        for t in reader.tensors:
+        for t in reader.tensors.values():
             name = hf_name(t.name)
             if name is None:
                 continue
             permute = arch in ("llama", "mistral")  # llama.cpp's converter permutes their q/k
             rows = next((n for s, n in permuted.items() if permute and name.endswith(s)), 0)
-            shape = tuple(int(d) for d in reversed(t.shape))
-            self._stored[name] = _Stored(t.tensor_type, shape, t.data_offset, t.n_bytes, rows)
+            self._stored[name] = _Stored(t.qtype, t.shape, t.offset, t.nbytes, rows)
 
     def __contains__(self, name: object) -> bool:
         return name in self._stored
@@ -185,13 +304,11 @@ def _dequantize(path: Path, stored: _Stored) -> np.ndarray:
 
 def has_rope_scaling(path: str | Path) -> bool:
     """Whether a GGUF file scales RoPE, by metadata or a `rope_freqs` tensor."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+    reader = Header.read(path)
+    if "rope_freqs.weight" in reader.tensors:
         return True
     try:
-        return bool(rope_scaling(reader, _architecture(reader)))
+        return bool(rope_scaling(reader, reader.architecture()))
     except ValueError:  # keys the native engine cannot map still scale RoPE
         return True
 
@@ -204,17 +321,17 @@ _YARN_KEYS = {
 }
 
 
-def rope_scaling(reader, arch: str) -> dict:
+def rope_scaling(reader: Header, arch: str) -> dict:
     """`{arch}.rope.scaling.*` as a transformers `rope_scaling` dict ({} for none). llama.cpp
     applies `factor` (or the older `rope.scale_linear`) as a linear scaling unless the type is
     yarn. A type the native engine lacks passes through for `rope.from_hf` to refuse by name; a
     key whose meaning differs between llama.cpp and transformers (yarn's attn_factor,
     log_multiplier, ...) raises ValueError rather than be guessed at."""
     prefix = f"{arch}.rope.scaling."
-    keys = {k[len(prefix) :]: _field(reader, k) for k in reader.fields if k.startswith(prefix)}
+    keys = {k[len(prefix) :]: reader.field(k) for k in reader.metadata if k.startswith(prefix)}
     kind = str(keys.pop("type", "none"))
     keys.pop("finetuned", None)
-    factor = float(keys.pop("factor", _field(reader, f"{arch}.rope.scale_linear", 1.0)))
+    factor = float(keys.pop("factor", reader.field(f"{arch}.rope.scale_linear", 1.0)))
     if kind in ("none", "linear"):
         scaling = {"rope_type": "linear", "factor": factor} if factor not in (0.0, 1.0) else {}
     elif kind == "yarn":
@@ -229,31 +346,12 @@ def rope_scaling(reader, arch: str) -> dict:
 
 
 def architecture(path: str | Path) -> str | None:
-    """general.architecture of a GGUF file (memory-mapped, no tensor is read)."""
-    import gguf
-
+    """general.architecture of a GGUF file (its header read, no tensor), or None for a file that
+    is no readable GGUF."""
     try:
-        return str(_field(gguf.GGUFReader(str(path)), "general.architecture"))
+        return str(Header.read(path).field("general.architecture"))
     except (ValueError, OSError):
         return None
-
-
-def _architecture(reader) -> str:
-    arch = str(_field(reader, "general.architecture"))
-    if arch not in ARCHITECTURES:
-        raise ValueError(
-            f"GGUF architecture {arch!r} is not supported (supported: {ARCHITECTURES})"
-        )
-    return arch
-
-
-def _field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    if field is None:
-        if default is None:
-            raise ValueError(f"GGUF file lacks {key}")
-        return default
-    return field.contents()
 
 
 def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:

@@ -204,3 +204,42 @@ def test_converting_holds_about_one_de_quantized_tensor(tmp_path, monkeypatch):
     finally:
         tracemalloc.stop()
     assert peak < bound, (peak, max(sizes), sum(sizes))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_the_header_is_what_gguf_reads(arch, tmp_path):
+    """`Header` (which walks past string arrays) against gguf's GGUFReader on every field and
+    tensor: scalars and strings equal, a string array its length, each tensor's shape (torch
+    order), type, absolute offset and size equal."""
+    path = write_gguf(tmp_path / "m.gguf", arch, layers=3)
+    reader = gguf.GGUFReader(str(path))
+    header = gguf_loader.Header.read(path)
+    fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert set(header.metadata) == set(fields)
+    for key, value in fields.items():
+        strings = isinstance(value, list) and value and isinstance(value[0], str)
+        assert header.metadata[key] == (len(value) if strings else value), key
+    assert header.metadata["tokenizer.ggml.tokens"] == len(TOKENS)
+    assert list(header.tensors) == [t.name for t in reader.tensors]
+    for t in reader.tensors:
+        entry = header.tensors[t.name]
+        want = (tuple(int(d) for d in reversed(t.shape)), int(t.tensor_type), t.data_offset)
+        assert (entry.shape, entry.qtype, entry.offset) == want, t.name
+        assert entry.nbytes == t.n_bytes, t.name
+
+
+def test_a_file_that_is_no_gguf_is_named(tmp_path):
+    path = write_gguf(tmp_path / "m.gguf")
+    data = path.read_bytes()
+    table_end = min(t.offset for t in gguf_loader.Header.read(path).tensors.values()) - 40
+    cuts = []
+    for n, end in enumerate((300, table_end)):  # in the vocabulary; in the tensor table
+        cuts.append(tmp_path / f"cut{n}.gguf")
+        cuts[-1].write_bytes(data[:end])
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"GGML" + data[4:])
+    for bad in (*cuts, other):
+        with pytest.raises(ValueError, match=str(bad)):
+            gguf_loader.Header.read(bad)
+        assert gguf_loader.architecture(bad) is None
+    assert gguf_loader.architecture(path) == "qwen2"

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from smcspec.config import EngineLimits
-from smcspec.models import defaults, hf, loader
+from smcspec.models import cpu_linear, defaults, hf, loader
 from smcspec.models.base import CausalLM
 
 BACKENDS = loader.BACKENDS
@@ -91,6 +91,8 @@ def load_pair(
     device = loader.resolve_device(device)  # before a minute of loading, not after
     loader.check_backend(backend)
     dtype = loader.resolve_dtype(dtype, device)
+    if device == "cpu" and dtype in ("int8", "int4"):
+        cpu_linear.build_early()  # compiled while the default pair downloads and converts
     target, draft = resolve_specs(target, draft, cache_dir)
     chosen = {loader.choose_backend(s, backend, device, dtype) for s in (target, draft)}
     backend = "native" if chosen == {"native"} else "hf"  # native needs both

@@ -67,8 +67,25 @@ class _Kernel:
         self._lock = threading.Lock()
         self._tried = False
         self._module: ModuleType | None = None
+        self._early: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Build (or load) it on a thread now; `get` waits for that build. A cold start builds
+        it (25 s) while the models download and convert, on the other core. The thread is no
+        daemon: interrupted, the process waits for torch's build to give its lock back (a lock
+        left behind would hold the next start's build for 10 minutes)."""
+        with self._lock:
+            if self._tried or self._early is not None:
+                return
+            self._early = threading.Thread(target=self._load, name="smcspec-kernel-build")
+            self._early.start()
 
     def get(self) -> ModuleType | None:
+        if self._early is not None:
+            self._early.join()
+        return self._load()
+
+    def _load(self) -> ModuleType | None:
         with self._lock:
             if not self._tried:
                 self._tried = True
@@ -177,6 +194,12 @@ def build_key() -> str:
 
 
 KERNEL = _Kernel()
+
+
+def build_early() -> None:
+    """Start the kernel's build on a thread (see `_Kernel.start`), where it is not turned off."""
+    if not _turned_off("SMCSPEC_CPU_KERNEL"):
+        KERNEL.start()
 
 
 def available() -> bool:

@@ -52,3 +52,74 @@ def test_a_server_profiles_before_it_serves_whatever_its_default_method():
         assert events == ["profile"]
     finally:
         server.scheduler.shutdown()
+
+
+class _FakeKernel:
+    def amx(self) -> str:
+        return "no AMX here"
+
+    def set_amx_rows(self, bits: int, tiles: int, bf16: int) -> None:
+        pass
+
+
+def test_the_kernel_built_early_is_built_once_and_waited_for(monkeypatch):
+    """`start` builds on a thread (no daemon: an interrupted process still lets torch's build
+    give its lock back); `get` waits for that build and returns its module; a second `start`
+    and the `get` build nothing more."""
+    import threading
+    import time
+
+    from smcspec.models import cpu_linear
+
+    builds, release = [], threading.Event()
+    kernel = _FakeKernel()
+
+    def build():
+        builds.append(threading.current_thread().name)
+        release.wait(5)
+        time.sleep(0.05)
+        return kernel
+
+    monkeypatch.setattr(cpu_linear, "_build", build)
+    monkeypatch.delenv("SMCSPEC_CPU_KERNEL", raising=False)
+    early = cpu_linear._Kernel()
+    early.start()
+    early.start()
+    assert early._early is not None and not early._early.daemon
+    release.set()
+    assert early.get() is kernel
+    assert builds == ["smcspec-kernel-build"]  # on the thread, once
+    early._early.join(5)
+
+
+def test_a_quantized_cpu_load_starts_the_kernel_before_the_models(monkeypatch):
+    """int8 and int4 on the CPU start the kernel's build before the default pair is fetched
+    and converted, so the compiler runs beside them; other precisions start nothing. Failed on:
+    the build left to the first quantized layer (a cold start waited 26 s for it)."""
+    from smcspec.engine import loading
+    from smcspec.models import cpu_linear
+
+    events: list[str] = []
+
+    class Stop(Exception):
+        pass
+
+    def specs(*_args, **_kwargs):
+        events.append("models")
+        raise Stop
+
+    monkeypatch.setattr(cpu_linear, "build_early", lambda: events.append("kernel"))
+    monkeypatch.setattr(loading, "resolve_specs", specs)
+    for dtype, want in (("int8", ["kernel", "models"]), ("int4", ["kernel", "models"])):
+        events.clear()
+        try:
+            loading.load_pair(None, None, dtype=dtype, device="cpu")
+        except Stop:
+            pass
+        assert events == want, dtype
+    events.clear()
+    try:
+        loading.load_pair(None, None, dtype="float32", device="cpu")
+    except Stop:
+        pass
+    assert events == ["models"]

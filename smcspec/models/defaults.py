@@ -179,6 +179,7 @@ def _convert(gguf: Path, folder: Path) -> None:
     (tmp / "COMPLETE").write_text(f"converted from {gguf.name}\n")
     shutil.rmtree(folder, ignore_errors=True)
     tmp.replace(folder)
+    weight_cache.give_back_freed()
 
 
 def _counted(weights, name: str, bar: tqdm):

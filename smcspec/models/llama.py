@@ -112,6 +112,7 @@ class LlamaModel:
             model = cls(config, lazy, dtype, device, quantized=cached, **kw)
             if cached is None:
                 weight_cache.save(folder, model.quantized_entries(), kind=kind)
+                weight_cache.give_back_freed()
             return model
         return cls(config, read_safetensors(folder), dtype, device, **kw)
 

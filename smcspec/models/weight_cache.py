@@ -238,3 +238,16 @@ def write_safetensors(
             assert t.dtype == dtype and tuple(t.shape) == tuple(shape), name
             out.write(t.contiguous().cpu().numpy().reshape(-1).data)  # no copy of the bytes
             del t
+
+
+def give_back_freed() -> None:
+    """Hand the C heap's free pages back to the system (glibc's `malloc_trim`) after a one-time
+    job that made and dropped many temporaries (a conversion, a quantization): glibc keeps
+    freed blocks below its mmap threshold, which it raises after the first large free, so
+    their pages stay resident and the process's peak later stands on them. Nothing elsewhere."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    with contextlib.suppress(OSError, AttributeError, TypeError):
+        ctypes.CDLL(name).malloc_trim(0)

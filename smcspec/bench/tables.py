@@ -359,7 +359,9 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "cpu/math500-heldout": lambda root: accuracy(root, "cpu/math500-heldout"),
     "cpu/humaneval": lambda root: accuracy(root, "cpu/humaneval-int8"),
     "cpu/humaneval-heldout": lambda root: accuracy(root, "cpu/humaneval-heldout"),
-    "cpu/gsm8k-settings": lambda root: accuracy(root, "cpu/gsm8k-k4", "cpu/gsm8k-threshold"),
+    "cpu/gsm8k-settings": lambda root: accuracy(
+        root, "cpu/gsm8k-k4", "cpu/gsm8k-threshold", "cpu/gsm8k-n8"
+    ),
     "cpu/json": lambda root: written(root, "cpu/json/json.md"),
     "cpu/law": lambda root: written(root, "cpu/law/law.md"),
     "cpu/law-384": lambda root: written(root, "cpu/law-384/law.md"),

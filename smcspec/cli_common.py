@@ -74,7 +74,7 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
         "--backend",
         default="auto",
         choices=BACKENDS,
-        help="native: Llama/Qwen2/Mistral on a paged KV cache; hf: transformers (any model); "
+        help="native: Llama/Qwen2/Qwen3/Mistral on a paged KV cache; hf: transformers (any model); "
         "auto: native where it applies",
     )
     p.add_argument(

@@ -7,6 +7,8 @@ host and copied to the model's device in a handful of transfers.
 
 - `GatherAttention` (the reference, and the CPU's fast path): gathers each sequence's keys into
   a padded [B, Lmax] copy and runs PyTorch's scaled-dot-product attention with a causal mask.
+  Where the model's products run on smcspec's CPU kernel, it runs the kernel's attention over
+  the same key slots instead (`cpu_attention.cpp`), whose rows do not depend on their pass.
 - `PagedAttention`: reads the page tables directly (`paged_attention`): the Triton kernel on
   CUDA, its plain-torch reference elsewhere. Its inputs have shapes fixed by the batch's size
   alone, which is what CUDA graphs need.
@@ -14,6 +16,7 @@ host and copied to the model's device in a handful of transfers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -40,6 +43,7 @@ class GatherPlan:
     query_rows: torch.Tensor | None  # [total] valid rows of the padded [B * Tmax] output
     mask: torch.Tensor | None  # [B, 1, Tmax, Lmax] True = may attend
     tmax: int
+    row_seq: torch.Tensor | None = None  # [total] the sequence (row of key_slots) of each row
 
 
 @dataclass
@@ -76,9 +80,18 @@ class Attention(Protocol):
 
 
 class GatherAttention:
-    name = "gather"
+    """`attend`: the CPU kernel's attention (`cpu_linear.KERNEL`'s), which reads the key slots
+    itself and computes every row's arithmetic alone, the same bits whatever shares its pass: a
+    step's logits are then those of the same row in a verification or beside other requests.
+    None: PyTorch's scaled-dot-product attention over gathered keys, whose blocks follow the
+    pass's shapes (a row's result moves by ~1e-7 with them)."""
+
     paged = False
     graph_safe = False
+
+    def __init__(self, attend: Callable[..., torch.Tensor] | None = None) -> None:
+        self.attend = attend
+        self.name = "gather" if attend is None else "rows"
 
     @staticmethod
     def plan(kv: PagedKVCache, seqs: list[int], starts: list[int], counts: list[int]) -> GatherPlan:
@@ -106,7 +119,8 @@ class GatherAttention:
             # Causal; a valid query never sees past its own sequence's end, and padded query
             # rows are dropped after attention.
             mask = (k_pos <= q_pos[:, :, None])[:, None]
-        return GatherPlan(key_slots, query_index, query_rows, mask, tmax)
+        row_seq = torch.arange(b).repeat_interleave(torch.tensor(counts))
+        return GatherPlan(key_slots, query_index, query_rows, mask, tmax, row_seq)
 
     def __call__(
         self, q: torch.Tensor, kv: PagedKVCache, layer: int, batch: ForwardBatch
@@ -116,6 +130,9 @@ class GatherAttention:
         assert p is not None, "GatherAttention needs a GatherPlan"
         flat_k = kv.k[layer].view(-1, *kv.k.shape[-2:])
         flat_v = kv.v[layer].view(-1, *kv.v.shape[-2:])
+        if self.attend is not None:
+            scale = q.shape[-1] ** -0.5
+            return self.attend(q, flat_k, flat_v, p.key_slots, p.row_seq, batch.positions, scale)
         keys = flat_k[p.key_slots].transpose(1, 2)  # [B, nkv, Lmax, d]
         values = flat_v[p.key_slots].transpose(1, 2)
         b = p.key_slots.shape[0]

@@ -25,6 +25,10 @@ the vector path runs): int8 tiles from `AMX_ROWS[bits][0]` rows up, with the sam
 vector path to the bit; bf16 tiles of de-quantized weights from `AMX_ROWS[bits][1]` rows up
 (prefill), which round the rows to bf16 instead of int8 per group. Measured on 2 Xeon cores
 (docs/benchmarks.md, "AMX"). `SMCSPEC_AMX=off` keeps every product on the vector path.
+
+The same build holds the CPU's attention for models whose products run here (`attend`,
+`csrc/cpu_attention.cpp`): every query row computed alone, so that a row's result does not
+depend on what else shares its pass.
 """
 
 from __future__ import annotations
@@ -48,7 +52,10 @@ from smcspec.models import defaults
 LANES = 16  # outputs per block of the packed layout
 SUB = {4: 8, 8: 4}  # inputs per sub-block of 64 bytes, by bits per weight
 GROUPS = (32, 64, 128, 256)  # group sizes offered (the kernel takes any multiple of 8)
-_SOURCE = Path(__file__).with_name("csrc") / "cpu_linear.cpp"
+# the products; the attention, whose rows do not depend on their pass (cpu_attention.cpp)
+_SOURCES = tuple(
+    Path(__file__).with_name("csrc") / f for f in ("cpu_linear.cpp", "cpu_attention.cpp")
+)
 # by weight bits: the rows from which products run on AMX int8 tiles and on bf16 tiles, from
 # `scripts/cpu_kernels` on 2 Xeon cores at Qwen2.5-1.5B's shapes (benchmarks/cpu/amx/kernels.md):
 # int4's int8 tiles need unpacking and lead from 16 rows, int8's from 8; bf16 tiles pay a
@@ -145,7 +152,7 @@ def _build() -> ModuleType | None:
         _drop_stale_lock(where / "lock")
         return cpp_extension.load(
             name=name,
-            sources=[str(_source_in(where))],
+            sources=[str(_source_in(where, source)) for source in _SOURCES],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
             build_directory=str(where),
@@ -162,15 +169,15 @@ def _build() -> ModuleType | None:
         return None
 
 
-def _source_in(where: Path) -> Path:
-    """The kernel's source, copied into its build folder. torch's build (ninja) compiles again
+def _source_in(where: Path, source: Path) -> Path:
+    """A source of the kernel, copied into its build folder. torch's build (ninja) compiles again
     whenever a source's path changes, and the folder is shared by every install of the same
     source (its name hashes the bytes): two checkouts or environments on one machine, each
     naming its own copy, rebuilt the kernel (25 s) at every start that followed the other's."""
-    copy = where / _SOURCE.name
-    if not copy.is_file() or copy.read_bytes() != _SOURCE.read_bytes():
+    copy = where / source.name
+    if not copy.is_file() or copy.read_bytes() != source.read_bytes():
         partial = copy.with_name(f"{copy.name}.partial-{os.getpid()}")
-        shutil.copyfile(_SOURCE, partial)
+        shutil.copyfile(source, partial)
         os.replace(partial, copy)
     return copy
 
@@ -186,7 +193,7 @@ def _drop_stale_lock(lock: Path, older_than_s: float = 600.0) -> None:
 def build_key() -> str:
     """What the built kernel depends on: its source, torch, and this CPU's instruction sets
     (`-march=native`), so a cache shared between machines never runs another CPU's build."""
-    h = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode())
+    h = hashlib.sha256(b"".join(s.read_bytes() for s in _SOURCES) + " ".join(_FLAGS).encode())
     h.update(f"{torch.__version__} {platform.machine()} {sys.version_info[:2]}".encode())
     flags = _flags_line()
     h.update((platform.processor() if flags is None else flags).encode())

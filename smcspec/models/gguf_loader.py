@@ -35,12 +35,14 @@ _LAYER = {
     "attn_v.weight": "self_attn.v_proj.weight",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",  # qwen3
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-ARCHITECTURES = ("llama", "qwen2", "mistral")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 
 
 def hf_name(gguf_name: str) -> str | None:

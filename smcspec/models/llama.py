@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from smcspec.kv.cache import PagedKVCache
-from smcspec.models import fused, weight_cache
+from smcspec.models import cpu_linear, fused, weight_cache
 from smcspec.models.attention import ForwardBatch, GatherAttention, GatherPlan, for_feed
 from smcspec.models.attention import choose as choose_attention
 from smcspec.models.fused import rms_reference as _rms
@@ -37,7 +37,7 @@ from smcspec.models.llama_weights import (
 from smcspec.models.rope_table import RopeTable
 from smcspec.sampling import to_device
 
-SUPPORTED = ("llama", "qwen2", "mistral")
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 QUANTIZED = ("int8", "int4")  # CPU weight formats, each with its weight cache
 # Feeds longer than this run as successive passes of at most this many tokens per sequence, so
 # no pass builds scores [heads, T, L] over a whole long prompt: SDPA takes its math kernel
@@ -91,8 +91,19 @@ class LlamaModel:
         self.embed = build.tensor(weights["model.embed_tokens.weight"])
         self.norm = build.tensor(weights["model.norm.weight"])
         self.layers, self.lm_head = build.layers(weights)
+        kernel = cpu_linear.KERNEL.get() if self._on_kernel() else None
+        if kernel is not None and config.head_dim % 16 == 0:
+            # products on smcspec's kernel: its attention too, rows independent of their pass
+            self._gather = GatherAttention(kernel.attend)
+            if isinstance(self.attention, GatherAttention):
+                self.attention = self._gather
         self.rope = RopeTable(config.rope, self.act_dtype, self.device)
         self._sinks: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def _on_kernel(self) -> bool:
+        """Whether the layers' products run on smcspec's CPU kernel (int8/int4 where it is
+        built; a matrix whose outputs are no multiple of 16 falls back alone)."""
+        return any(isinstance(layer.qkv, cpu_linear.PackedLinear) for layer in self.layers)
 
     def quantized_entries(self) -> list[weight_cache.Entry]:
         """Every linear as the weight cache stores it, made when written."""
@@ -120,7 +131,7 @@ class LlamaModel:
     def from_gguf(
         cls, path: str | Path, dtype: str = "float32", device: str = "cpu", **kw
     ) -> LlamaModel:
-        """Load and de-quantize a GGUF file (llama, qwen2, mistral)."""
+        """Load and de-quantize a GGUF file (llama, qwen2, qwen3, mistral)."""
         from smcspec.models import gguf_loader
 
         config = LlamaConfig.read(path)
@@ -221,7 +232,7 @@ class LlamaModel:
             p = GatherAttention.plan(kv, seqs, starts, counts)
             batch.gather = GatherPlan(
                 to_device(p.key_slots, dev), _opt(p.query_index, dev), _opt(p.query_rows, dev),
-                _opt(p.mask, dev), p.tmax,
+                _opt(p.mask, dev), p.tmax, _opt(p.row_seq, dev),
             )  # fmt: skip
         return batch
 
@@ -292,7 +303,12 @@ class LlamaModel:
         for layer in self.layers:
             qkv = layer.qkv.banded(_rms(x, layer.input_norm, c.rms_eps))
             _, k, v = qkv.split([nh * d, nkv * d, nkv * d], dim=-1)
-            keys.append(_rotate(k.view(1, nkv, d), cos, sin)[0])
+            k = (
+                k.view(1, nkv, d)
+                if layer.k_norm is None
+                else _rms(k.view(1, nkv, d), layer.k_norm, c.rms_eps)
+            )
+            keys.append(_rotate(k, cos, sin)[0])
             values.append(v.view(nkv, d))
             attended = v.view(nkv, 1, d).expand(nkv, nh // nkv, d).reshape(1, nh * d)
             x = x + layer.o.banded(attended)
@@ -314,7 +330,7 @@ class LlamaModel:
     ) -> torch.Tensor:
         c = self.config
         d, nh, nkv = c.head_dim, c.num_heads, c.num_kv_heads
-        qkv = layer.qkv(h).view(-1, nh + 2 * nkv, d)  # [total, nh + 2 nkv, d]
+        qkv = _head_norms(layer, layer.qkv(h).view(-1, nh + 2 * nkv, d), nh, nkv, c.rms_eps)
         if self.fused:
             q = fused.rope_write(qkv, cos, sin, kv.k[index], kv.v[index], batch.slots, nh, nkv)
         else:
@@ -323,6 +339,16 @@ class LlamaModel:
             kv.write(index, batch.slots, k, v)
         out = (batch.attention or self.attention)(q, kv, index, batch)  # [total, nh, d]
         return layer.o(out.reshape(-1, nh * d))
+
+
+def _head_norms(layer: Layer, qkv: torch.Tensor, nh: int, nkv: int, eps: float) -> torch.Tensor:
+    """qkv [total, nh + 2 nkv, d] with Qwen3's RMSNorm over each head's d applied to its q and k
+    heads (before RoPE); as it is where the layer has none."""
+    if layer.q_norm is None:
+        return qkv
+    q = _rms(qkv[:, :nh], layer.q_norm, eps)
+    k = _rms(qkv[:, nh : nh + nkv], layer.k_norm, eps)
+    return torch.cat([q, k, qkv[:, nh + nkv :]], dim=1)
 
 
 def _opt(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:

@@ -24,12 +24,19 @@ class LlamaConfig:
     qkv_bias: bool
     tie_embeddings: bool
     max_positions: int = 4096
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head's d of q and k, before RoPE
 
     @classmethod
     def from_hf(cls, cfg: dict) -> LlamaConfig:
         """From a Hugging Face config dict; an unsupported RoPE scaling raises ValueError."""
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        kind = cfg.get("model_type")
+        if kind == "qwen3" and cfg.get("use_sliding_window"):
+            raise ValueError(
+                "this Qwen3 config sets use_sliding_window: the native engine runs full "
+                "attention only; use --backend hf"
+            )
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -40,9 +47,10 @@ class LlamaConfig:
             head_dim=head_dim,
             rope=rope.from_hf(cfg, head_dim),
             rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qkv_bias=kind == "qwen2" or bool(cfg.get("attention_bias", False)),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_positions=int(cfg.get("max_position_embeddings") or 4096),
+            qk_norm=kind == "qwen3",
         )
 
     @classmethod

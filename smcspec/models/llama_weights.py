@@ -31,6 +31,8 @@ class Layer:
     post_norm: torch.Tensor  # [H]
     gate_up: Linear  # H -> 2 I
     down: Linear  # I -> H
+    q_norm: torch.Tensor | None = None  # [D], Qwen3's per-head norm of q (None: none)
+    k_norm: torch.Tensor | None = None  # [D], of k
 
 
 class WeightBuilder:
@@ -79,6 +81,9 @@ class WeightBuilder:
         qkv = [a + f"{x}_proj.weight" for x in "qkv"]
         qkv_bias = [a + f"{x}_proj.bias" for x in "qkv"] if self.config.qkv_bias else []
         gate_up = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+        norms = {}
+        if self.config.qk_norm:
+            norms = {f"{x}_norm": self.tensor(w.pop(a + f"{x}_norm.weight")) for x in "qk"}
         return Layer(
             input_norm=self.tensor(w.pop(p + "input_layernorm.weight")),
             qkv=self.linear(w, a + "qkv", qkv, qkv_bias),
@@ -86,6 +91,7 @@ class WeightBuilder:
             post_norm=self.tensor(w.pop(p + "post_attention_layernorm.weight")),
             gate_up=self.linear(w, p + "mlp.gate_up", gate_up),
             down=self.linear(w, p + "mlp.down", [p + "mlp.down_proj.weight"]),
+            **norms,
         )
 
     def linear(
@@ -229,6 +235,9 @@ def random_weights(config: LlamaConfig, device: str | torch.device, seed: int = 
             if c.qkv_bias:
                 w[a + f"{name}_proj.bias"] = normal(rows)
         w[a + "o_proj.weight"] = normal(h, c.num_heads * d)
+        if c.qk_norm:
+            w[a + "q_norm.weight"] = torch.ones(d, device=device)
+            w[a + "k_norm.weight"] = torch.ones(d, device=device)
         w[p + "mlp.gate_proj.weight"] = normal(i, h)
         w[p + "mlp.up_proj.weight"] = normal(i, h)
         w[p + "mlp.down_proj.weight"] = normal(h, i)

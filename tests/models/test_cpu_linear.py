@@ -189,17 +189,22 @@ def test_every_install_builds_from_one_source_path(monkeypatch, tmp_path):
     monkeypatch.setattr(cpp_extension, "load", lambda **kw: named.extend(kw["sources"]))
     monkeypatch.setenv("SMCSPEC_CACHE", str(tmp_path))
     cpu_linear._build()
-    (source,) = named
-    copy = Path(source)
-    assert copy.parent.parent == tmp_path / "kernels"
-    assert copy.read_bytes() == cpu_linear._SOURCE.read_bytes()
-    written = copy.stat().st_mtime_ns
-    other = tmp_path / "other-checkout" / "cpu_linear.cpp"  # another install, same bytes
-    other.parent.mkdir()
-    other.write_bytes(copy.read_bytes())
-    monkeypatch.setattr(cpu_linear, "_SOURCE", other)
+    copies = [Path(source) for source in named]
+    assert [c.name for c in copies] == [s.name for s in cpu_linear._SOURCES]
+    for copy, source in zip(copies, cpu_linear._SOURCES, strict=True):
+        assert copy.parent.parent == tmp_path / "kernels"
+        assert copy.read_bytes() == source.read_bytes()
+    written = [c.stat().st_mtime_ns for c in copies]
+    others = []  # another install, same bytes
+    for source in cpu_linear._SOURCES:
+        other = tmp_path / "other-checkout" / source.name
+        other.parent.mkdir(exist_ok=True)
+        other.write_bytes(source.read_bytes())
+        others.append(other)
+    monkeypatch.setattr(cpu_linear, "_SOURCES", tuple(others))
     cpu_linear._build()
-    assert named == [source, source] and copy.stat().st_mtime_ns == written
+    assert named == [*map(str, copies)] * 2
+    assert [c.stat().st_mtime_ns for c in copies] == written
 
 
 @pytest.mark.parametrize("isa, int8", [("avx512-vnni", PackedLinear), ("avx2", Int8Linear)])

@@ -29,16 +29,21 @@ def _cpuinfo(flags):
     return change
 
 
-def _source(monkeypatch, tmp_path):
-    copy = tmp_path / "cpu_linear.cpp"
-    copy.write_bytes(cpu_linear._SOURCE.read_bytes() + b"\n// another source\n")
-    monkeypatch.setattr(cpu_linear, "_SOURCE", copy)
+def _sources(edit: bool, which: int = 0):
+    """Each source copied elsewhere (the key hashes bytes, not paths), source `which` with a
+    line added where `edit`."""
 
+    def change(monkeypatch, tmp_path):
+        copies = []
+        for i, source in enumerate(cpu_linear._SOURCES):
+            copy = tmp_path / source.name
+            copy.write_bytes(
+                source.read_bytes() + (b"\n// another\n" if edit and i == which else b"")
+            )
+            copies.append(copy)
+        monkeypatch.setattr(cpu_linear, "_SOURCES", tuple(copies))
 
-def _same_source_elsewhere(monkeypatch, tmp_path):
-    copy = tmp_path / "cpu_linear.cpp"
-    copy.write_bytes(cpu_linear._SOURCE.read_bytes())
-    monkeypatch.setattr(cpu_linear, "_SOURCE", copy)
+    return change
 
 
 def _attr(target, name, value):
@@ -50,14 +55,15 @@ def _attr(target, name, value):
 
 # each change, and whether the key must change with it
 KEY_CHANGES = {
-    "source": (_source, True),
+    "the products' source": (_sources(True, 0), True),
+    "the attention's source": (_sources(True, 1), True),
     "flags": (_attr(cpu_linear, "_FLAGS", [*cpu_linear._FLAGS, "-DMORE"]), True),
     "torch": (_attr(cpu_linear.torch, "__version__", "0.0.1"), True),
     "machine": (_attr(cpu_linear.platform, "machine", lambda: "riscv64"), True),
     "python": (_attr(cpu_linear.sys, "version_info", (3, 99, 0)), True),
     "cpu flags": (_cpuinfo("fpu sse2 avx512_vnni_other"), True),
     # nothing else: where the source lies, the CPU's other lines of /proc/cpuinfo
-    "the source's path": (_same_source_elsewhere, False),
+    "the sources' paths": (_sources(False), False),
     "the environment": (_attr(cpu_linear.os, "environ", {"OMP_NUM_THREADS": "3"}), False),
 }
 

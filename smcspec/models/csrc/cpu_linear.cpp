@@ -906,10 +906,17 @@ std::vector<int64_t> set_amx_rows(int64_t bits, int64_t tiles_from, int64_t bf16
 #endif
 }
 
+// cpu_attention.cpp
+torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor key_slots,
+                     torch::Tensor row_seq, torch::Tensor positions, double scale);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "y [M, N] = x [M, K] W^T, W int4 or int8 per group (see the source)");
   m.def("isa", &isa, "the instruction set the kernel was built for");
   m.def("amx", &amx, "'' where products run on AMX tiles, else why they do not");
   m.def("set_amx_rows", &set_amx_rows,
         "(bits, int8 tiles from, bf16 tiles from): rows from which AMX runs, 0 never; old pair");
+  m.def("attend", &attend,
+        "causal attention over KV slots, each row's arithmetic fixed by the row alone "
+        "(cpu_attention.cpp)");
 }

@@ -27,6 +27,7 @@ from smcspec.engine.scheduler import Job, Scheduler
 from smcspec.engine.text import TextStream, check_stops
 from smcspec.engine.tuning import Tuner
 from smcspec.models.base import CausalLM
+from smcspec.models.shared_vocab import shared
 from smcspec.potentials import Potential, llguidance_tokenizer
 
 
@@ -132,11 +133,8 @@ class LLM:
         return llm
 
     def _setup(self, target: CausalLM, draft: CausalLM, tokenizer: Any) -> None:
-        if target.vocab_size != draft.vocab_size:
-            raise ValueError(
-                f"draft and target vocabularies differ ({draft.vocab_size} vs {target.vocab_size} "
-                "tokens): the draft must share the target's tokenizer"
-            )
+        # tables padded differently over one tokenizer: both cut to the ids they share
+        target, draft = shared(target, draft, None if tokenizer is None else len(tokenizer))
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         self._guidance: Any = None  # llguidance's view of the tokenizer, made on first use
 

@@ -129,9 +129,31 @@ def display_name(spec: str) -> str:
 
 
 def check_same_tokenizer(target_tok: Any, draft_tok: Any) -> None:
-    """Refuse a pair whose tokenizers map text to different ids."""
-    if target_tok is not draft_tok and target_tok.get_vocab() != draft_tok.get_vocab():
+    """Refuse a pair whose tokenizers map text to different ids, saying how they differ. (Their
+    chat templates may differ: each request renders with the target's.)"""
+    if target_tok is draft_tok:
+        return
+    target_vocab, draft_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
+    if target_vocab != draft_vocab:
+        how = vocabulary_difference(target_vocab, draft_vocab)
         raise ValueError(
-            "draft and target tokenizers differ: SMC and speculative decoding need a draft that "
-            "shares the target's vocabulary"
+            f"draft and target tokenizers differ: {how}; SMC and speculative decoding need a "
+            "draft that shares the target's tokenizer "
+            "(the same family and version, e.g. Qwen2.5-0.5B for a Qwen2.5 target)"
         )
+
+
+def vocabulary_difference(target: dict[str, int], draft: dict[str, int]) -> str:
+    """How two token -> id maps differ, in a few words and up to three examples."""
+    only_target = sorted(set(target) - set(draft), key=target.__getitem__)
+    only_draft = sorted(set(draft) - set(target), key=draft.__getitem__)
+    moved = sorted((t for t in set(target) & set(draft) if target[t] != draft[t]), key=target.get)
+    parts = [f"{len(target)} against {len(draft)} tokens"]
+    for what, tokens in (
+        ("only the target's", only_target),
+        ("only the draft's", only_draft),
+        ("at other ids", moved),
+    ):
+        if tokens:
+            parts.append(f"{len(tokens)} {what} ({', '.join(map(repr, tokens[:3]))})")
+    return ", ".join(parts)

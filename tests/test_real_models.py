@@ -73,6 +73,34 @@ def test_each_method_generates_on_the_default_pair(llm, method):
         assert len(out.particle_texts) == 4
 
 
+def test_a_steps_logits_are_the_verifications_on_the_default_pair(llm):
+    """int8 on smcspec's kernel: five decoding steps and one 5-token verification of the same
+    block give the same logits, bit for bit, also with three other sequences in the pass
+    (PyTorch's attention, before the kernel's, moved them by up to 0.53)."""
+    import torch
+
+    from smcspec.models import cpu_linear
+
+    if not cpu_linear.runs_int8():
+        pytest.skip("int8 does not run on smcspec's CPU kernel here (fbgemm and PyTorch's SDPA)")
+    model = llm.target.model
+    prompt = torch.tensor(llm.encode(PROMPT, chat=True))
+    block = torch.tensor([1, 17, 400, 9, 25])
+
+    def prefilled(n):
+        kv = model.new_kv(64, 16)
+        seqs = [kv.new_sequence() for _ in range(n)]
+        for i, s in enumerate(seqs):
+            model.forward(kv, [s], [prompt[: len(prompt) - i]], 1)
+        return kv, seqs
+
+    kv, (a,) = prefilled(1)
+    steps = torch.stack([model.forward(kv, [a], [block[j : j + 1]], 1)[0, 0] for j in range(5)])
+    kv, seqs = prefilled(4)
+    verify = model.forward(kv, seqs, [block, block[:1], block[:3], block], 5)[0]
+    assert torch.equal(steps, verify)
+
+
 def test_greedy_answer_is_on_topic(llm):
     settings = {"temperature": 0.0, "max_new_tokens": 32, "seed": 0, "stop_at_eos": False}
     ar = llm.generate(PROMPT, "ar", **settings)

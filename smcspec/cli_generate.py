@@ -169,7 +169,7 @@ def load_function(spec: str):
 
 def summary(result) -> str:
     """One line for stderr: speed, time split, the method's own figures, finish and seed."""
-    from smcspec.engine import SDStats, SMCStats
+    from smcspec.engine import MSDStats, SDStats, SMCStats
 
     d, stats = result.diagnostics, result.stats
     split = d["time_split"]
@@ -185,6 +185,11 @@ def summary(result) -> str:
         parts.append(
             f"acceptance {stats.acceptance_rate:.2f}, "
             f"accepted/round {stats.mean_accepted_length:.2f}"
+        )
+    if isinstance(stats, MSDStats) and stats.proposed_tokens:  # none: nothing drafted
+        depths = "/".join("-" if a is None else f"{a:.2f}" for a in stats.acceptance_by_depth)
+        parts.append(
+            f"accepted/round {stats.mean_accepted_length:.2f}, acceptance by depth {depths}"
         )
     if isinstance(stats, SMCStats):
         ess = stats.ess

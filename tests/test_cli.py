@@ -320,3 +320,10 @@ def test_the_summary_line_reads_each_methods_typed_stats(tiny_llm):
     assert "acceptance" in sd and "accepted/round" in sd
     smc = cli.summary(tiny_llm.generate("w1", "smc", particles=3, max_new_tokens=4, seed=0))
     assert "N 3, mean ESS" in smc and "log Z-hat" in smc and "seed 0" in smc
+    out = tiny_llm.generate("w1", "msd", particles=2, max_new_tokens=6, seed=0, stop_at_eos=False)
+    depths = "/".join("-" if a is None else f"{a:.2f}" for a in out.stats.acceptance_by_depth)
+    msd = cli.summary(out)
+    assert f"accepted/round {out.stats.mean_accepted_length:.2f}" in msd
+    assert f"acceptance by depth {depths}" in msd
+    one = cli.summary(tiny_llm.generate("w1", "msd", particles=2, max_new_tokens=1, seed=0))
+    assert one.startswith("[msd] 1 tokens") and "accepted/round" not in one

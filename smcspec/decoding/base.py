@@ -121,8 +121,9 @@ stops decoding: the caller has seen what it needs (a stop string) or no longer w
 
 
 class Decoder(Protocol):
-    """What ar, sd and smc share: decode `prompt` under `sampling_cfg`, drawing every random
-    number from `generator`, and report to `watch` after every round."""
+    """What every decoder shares (ar, sd, msd, smc, auto): decode `prompt` under
+    `sampling_cfg`, drawing every random number from `generator`, and report to `watch` after
+    every round."""
 
     def decode(
         self,

@@ -65,7 +65,8 @@ class GenerationResult:
 
 
 class LLM:
-    """A target model p, a draft model q that shares its tokenizer, and the three decoders.
+    """A target model p, a draft model q that shares its tokenizer, and the decoders over them:
+    ar, sd, msd, smc, and auto, which chooses among them as it goes.
 
     `target` / `draft` are a hub id, a local folder, a .gguf path, or None for the built-in
     default pair; use `LLM.from_models` to plug in any `CausalLM` objects. `limits` (None:
@@ -134,7 +135,8 @@ class LLM:
 
     def _setup(self, target: CausalLM, draft: CausalLM, tokenizer: Any) -> None:
         # tables padded differently over one tokenizer: both cut to the ids they share
-        target, draft = shared(target, draft, None if tokenizer is None else len(tokenizer))
+        tokens = len(tokenizer) if hasattr(tokenizer, "__len__") else None
+        target, draft = shared(target, draft, tokens)
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         self._guidance: Any = None  # llguidance's view of the tokenizer, made on first use
 

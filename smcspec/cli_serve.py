@@ -145,8 +145,8 @@ def _add_serve_limits(serve: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from smcspec.engine.loading import public_name
     from smcspec.server.app import HTTPServer, ServeDefaults, create_app
-    from smcspec.server.runtime import public_name
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
@@ -213,9 +213,8 @@ def _replica_options(args: argparse.Namespace):
 
 
 def _serve_replicas(args: argparse.Namespace, defaults, options, limits: EngineLimits) -> int:
-    from smcspec.engine.loading import display_name, resolve_specs
+    from smcspec.engine.loading import display_name, public_name, resolve_specs
     from smcspec.server.cluster import check_reachable, require_ray
-    from smcspec.server.runtime import public_name
 
     require_ray()
     from smcspec.server.ray_app import ReplicaSpec, serve_replicas

@@ -128,6 +128,15 @@ def display_name(spec: str) -> str:
     return spec
 
 
+def public_name(spec: str) -> str:
+    """The model id to show for a hub id, folder or file: a local path gives its last part
+    (a `.gguf` file its stem), so no absolute path reaches clients."""
+    path = Path(spec)
+    if not (path.is_absolute() or path.exists()):
+        return spec
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
 def check_same_tokenizer(target_tok: Any, draft_tok: Any) -> None:
     """Refuse a pair whose tokenizers map text to different ids, saying how they differ. (Their
     chat templates may differ: each request renders with the target's.)"""

@@ -31,6 +31,7 @@ from pydantic.json_schema import models_json_schema
 from starlette.concurrency import run_in_threadpool
 
 from smcspec.engine import LLM
+from smcspec.engine.loading import public_name
 from smcspec.server import shaping, streaming
 from smcspec.server.bodies import BodyReader
 from smcspec.server.cluster import ReplicaView
@@ -50,7 +51,7 @@ from smcspec.server.responses import (
     ModelList,
     Tokenized,
 )
-from smcspec.server.runtime import Choice, ServeDefaults, Server, public_name
+from smcspec.server.runtime import Choice, ServeDefaults, Server
 from smcspec.server.schema import (
     ChatRequest,
     CompletionRequest,

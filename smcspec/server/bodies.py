@@ -21,7 +21,7 @@ import numpy as np
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
-from smcspec.server.runtime import ApiError
+from smcspec.server.api_error import ApiError
 
 MAX_DEPTH = 64  # levels of arrays and objects; OpenAI's strict schemas nest 10 objects at most
 SPARE_VALUES = 2**15  # values a request holds besides its prompt's token ids, at the most

@@ -20,8 +20,8 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from smcspec.server.api_error import error_body
 from smcspec.server.guard import REFUSED, too_large
-from smcspec.server.runtime import error_body
 
 MAX_HEADER_BYTES = 16 * 1024  # a request's target and headers
 MAX_HEADERS = 100

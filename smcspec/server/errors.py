@@ -14,9 +14,9 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from smcspec.engine.scheduler import Cancelled
+from smcspec.server.api_error import ApiError
 from smcspec.server.guard import REFUSED
 from smcspec.server.responses import ErrorResponse
-from smcspec.server.runtime import ApiError
 
 LOG = logging.getLogger("smcspec.server")
 

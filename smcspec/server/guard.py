@@ -11,7 +11,8 @@ from fastapi import HTTPException
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from smcspec.server.runtime import Server, error_body
+from smcspec.server.api_error import error_body
+from smcspec.server.runtime import Server
 
 OPEN_PATHS = frozenset({"/health"})  # answered without the API key: load balancers probe it
 # Set in a request's scope, to the status it got, by a connection that refused the request

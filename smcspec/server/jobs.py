@@ -11,7 +11,8 @@ from fastapi import Request as HTTPRequest
 
 from smcspec.engine import GenerationResult
 from smcspec.engine.scheduler import Cancelled
-from smcspec.server.runtime import ApiError, Choice, Server
+from smcspec.server.api_error import ApiError
+from smcspec.server.runtime import Choice, Server
 
 POLL_S = 0.25  # how often a waiting non-streaming request checks that its client is still there
 

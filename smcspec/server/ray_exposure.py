@@ -18,8 +18,8 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from smcspec.server.api_error import error_body
 from smcspec.server.guard import _key_problem
-from smcspec.server.runtime import error_body
 
 LOOPBACK = "127.0.0.1"
 # Ray binds its daemons, agents and exporters to loopback only when the node's address is

@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import CancelledError
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError
@@ -40,8 +39,9 @@ from smcspec.engine.scheduler import Cancelled, Job, Scheduler
 from smcspec.engine.text import check_stops
 from smcspec.potentials import Potential
 from smcspec.server import tools
+from smcspec.server.api_error import SHUTTING_DOWN, ApiError, check_unicode
 from smcspec.server.metrics import ServerMetrics
-from smcspec.server.responses import ErrorResponse, Finished, ParticleText, SmcspecExtension
+from smcspec.server.responses import Finished, ParticleText, SmcspecExtension
 from smcspec.server.schema import (
     MAX_TOTAL_CHOICES,
     ChatMessage,
@@ -56,33 +56,6 @@ from smcspec.server.schema import (
 # No tokenizer we know packs more characters than this into a token, so a text longer than this
 # many characters per position of the context cannot fit: it is refused before tokenizing.
 MAX_CHARS_PER_TOKEN = 32
-
-
-class ApiError(Exception):
-    """An error the client gets as an OpenAI-style JSON body."""
-
-    def __init__(
-        self,
-        message: str,
-        param: str | None = None,
-        status: int = 400,
-        code=None,
-        kind: str = "invalid_request_error",
-    ):
-        super().__init__(message)
-        self.message, self.param, self.status, self.code = message, param, status, code
-        self.kind = kind
-
-
-SHUTTING_DOWN = ApiError("the server is shutting down", status=503, kind="server_error")
-
-
-def error_body(
-    message: str, param: str | None = None, code: str | None = None, kind="invalid_request_error"
-) -> dict[str, Any]:
-    """OpenAI's error object as JSON data, for the layers that answer before a route does (the
-    guard, the connection, Ray's proxy): the same `ErrorResponse` the routes send."""
-    return ErrorResponse.of(message, param, code, kind).model_dump()
 
 
 @dataclass(frozen=True)
@@ -442,27 +415,6 @@ def _message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         extra = m.model_dump(include={"tool_calls", "tool_call_id", "name"}, exclude_none=True)
         out.append(message | extra)
     return out
-
-
-def check_unicode(text: str, param: str) -> None:
-    """Refuse text with lone surrogates (from a JSON escape, or a byte that was not UTF-8)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as err:
-        raise ApiError(
-            f"{param} is not valid Unicode text: a lone surrogate or an undecodable byte at "
-            f"character {err.start}",
-            param,
-        ) from err
-
-
-def public_name(spec: str) -> str:
-    """The model id to show for a hub id, folder or file: a local path gives its last part
-    (a `.gguf` file its stem), so no absolute path reaches clients."""
-    path = Path(spec)
-    if not (path.is_absolute() or path.exists()):
-        return spec
-    return path.stem if path.suffix == ".gguf" else path.name
 
 
 def _sampling(body: GenerationFields, temperature: float) -> dict[str, Any]:

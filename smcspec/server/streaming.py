@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from fastapi.responses import StreamingResponse
 
 from smcspec.server import shaping, tools
+from smcspec.server.api_error import ApiError
 from smcspec.server.jobs import outcome, submit_all
 from smcspec.server.responses import (
     ChatChunkChoice,
@@ -32,7 +33,7 @@ from smcspec.server.responses import (
     Usage,
     Wire,
 )
-from smcspec.server.runtime import ApiError, Choice, Server
+from smcspec.server.runtime import Choice, Server
 from smcspec.server.schema import ChatRequest, GenerationFields
 
 DONE = "data: [DONE]\n\n"

@@ -17,10 +17,10 @@ from pydantic import ValidationError
 from smcspec.bench.serving import parse_metrics
 from smcspec.config import HTTPLimits
 from smcspec.server import bodies
+from smcspec.server.api_error import ApiError
 from smcspec.server.app import ServeDefaults
 from smcspec.server.bodies import BodyReader, count_values, nests_past
 from smcspec.server.connection import MAX_HEADER_BYTES, MAX_HEADERS
-from smcspec.server.runtime import ApiError
 from smcspec.server.schema import ChatRequest, CompletionRequest, DetokenizeRequest
 from tests.server.conftest import MODEL, serve
 from tests.server.test_limits import until

@@ -6,7 +6,8 @@ import requests
 
 from smcspec import LLM
 from smcspec.models.toy import perturbed_lm, random_lm
-from smcspec.server.runtime import ApiError, ServeDefaults, Server
+from smcspec.server.api_error import ApiError
+from smcspec.server.runtime import ServeDefaults, Server
 from smcspec.server.schema import DetokenizeRequest, TokenizeCompletionRequest
 from tests.server.conftest import MODEL
 

@@ -11,8 +11,8 @@ import time
 import pytest
 
 from smcspec.config import HTTPLimits
+from smcspec.server.api_error import ApiError
 from smcspec.server.app import ServeDefaults
-from smcspec.server.runtime import ApiError
 from tests.server.conftest import MODEL, serve
 from tests.server.test_bodies import disconnects, statuses
 from tests.server.test_limits import until

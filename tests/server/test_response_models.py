@@ -18,8 +18,8 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletio
 from openai.types.chat.chat_completion_chunk import ChoiceDelta
 
 from smcspec.server import shaping
+from smcspec.server.api_error import error_body
 from smcspec.server.responses import ErrorResponse
-from smcspec.server.runtime import error_body
 from smcspec.server.schema import ChatRequest
 from tests.server.conftest import MODEL
 
@@ -613,7 +613,7 @@ def test_tool_calls_are_openai_messages_and_deltas():
     "args", [("bad",), ("bad", "n", "too_many", "server_error"), ("shh", None, "invalid_api_key")]
 )
 def test_the_guards_error_body_is_the_error_model(args):
-    """The guard and the connection layer still write `runtime.error_body`'s dict."""
+    """The guard and the connection layer still write `api_error.error_body`'s dict."""
     assert error_body(*args) == ErrorResponse.of(*args).model_dump()
 
 

@@ -119,9 +119,9 @@ def load(spec: str, dtype: str = "float32", device: str = "cpu") -> tuple[HFCaus
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if dtype == "int4":
-        raise ValueError(
-            "int4 weights run on the native engine only (llama, qwen2, qwen3, mistral)"
-        )
+        from smcspec.models.llama import SUPPORTED
+
+        raise ValueError(f"int4 weights run on the native engine only ({', '.join(SUPPORTED)})")
     if dtype not in (*DTYPES, "int8"):
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, int8, got {dtype!r}")
     check_spec(spec)

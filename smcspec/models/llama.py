@@ -302,12 +302,8 @@ class LlamaModel:
         keys, values = [], []
         for layer in self.layers:
             qkv = layer.qkv.banded(_rms(x, layer.input_norm, c.rms_eps))
-            _, k, v = qkv.split([nh * d, nkv * d, nkv * d], dim=-1)
-            k = (
-                k.view(1, nkv, d)
-                if layer.k_norm is None
-                else _rms(k.view(1, nkv, d), layer.k_norm, c.rms_eps)
-            )
+            qkv = _head_norms(layer, qkv.view(1, nh + 2 * nkv, d), nh, nkv, c.rms_eps)
+            _, k, v = qkv.split([nh, nkv, nkv], dim=1)  # k, v [1, nkv, d]
             keys.append(_rotate(k, cos, sin)[0])
             values.append(v.view(nkv, d))
             attended = v.view(nkv, 1, d).expand(nkv, nh // nkv, d).reshape(1, nh * d)

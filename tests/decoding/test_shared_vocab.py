@@ -90,8 +90,9 @@ def test_the_llm_takes_a_padded_pair_and_refuses_one_beyond_padding(pair):
     assert llm.vocab_size == WIDTH
     out = llm.generate(PROMPT, "sd", draft_tokens=2, max_new_tokens=3, seed=0)
     assert all(0 <= t < WIDTH for t in out.token_ids)
+    assert LLM.from_models(*pair, tokenizer=_Tokenizer(WIDTH)).vocab_size == WIDTH  # the limit
     with pytest.raises(ValueError, match="the tokenizer has 6 tokens, more than the smaller"):
-        LLM.from_models(*pair, tokenizer=_Tokenizer(6))
+        LLM.from_models(*pair, tokenizer=_Tokenizer(WIDTH + 1))
 
 
 def test_a_folder_whose_table_is_padded_loads_beside_its_draft(

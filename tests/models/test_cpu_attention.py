@@ -91,7 +91,8 @@ def test_bad_inputs_are_refused_naming_them():
     with pytest.raises(RuntimeError, match="multiple of 16"):
         attend(q[..., :8], k[..., :8], v[..., :8], key_slots, row_seq, positions, scale)
     with pytest.raises(RuntimeError, match="outside key_slots"):
-        attend(q, k, v, key_slots, row_seq, positions + 5, scale)
+        attend(q, k, v, key_slots, row_seq, positions + 1, scale)  # the last row one past
+    attend(q, k, v, key_slots, row_seq, positions, scale)  # at the table's last position
     with pytest.raises(RuntimeError, match="float32"):
         attend(q.double(), k, v, key_slots, row_seq, positions, scale)
 

@@ -7,7 +7,7 @@ import torch
 
 from smcspec.models.llama import LlamaModel
 from smcspec.models.llama_config import LlamaConfig
-from tests.models.test_llama import write_gguf
+from tests.models.test_llama import reference, write_gguf
 
 VOCAB = 64  # a multiple of 16: the output layer on the kernel too
 
@@ -29,11 +29,6 @@ def qwen3(tmp_path_factory):
             p.copy_(torch.randn_like(p) * 0.3 + (1.0 if "norm" in name else 0.0))
     hf.save_pretrained(folder)
     return hf, folder
-
-
-def reference(hf, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float()  # [T, V]
 
 
 def logits(model: LlamaModel, feeds: list[list[int]], steps: list[list[int]]) -> list[torch.Tensor]:

@@ -244,7 +244,7 @@ def _llama_cpp(args: argparse.Namespace, plan):
 def _gpu(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from smcspec.bench.gpu import GpuPlan, run_all
+    from smcspec.bench.gpu.runner import GpuPlan, run_all
 
     plan = GpuPlan.smoke() if args.smoke else _gpu_plan(args.device, args.dtype)
     for name in ("new_tokens", "reps"):
@@ -272,7 +272,7 @@ def _gpu_plan(device: str, dtype: str):
     hours), and there attention is the paged reference so that graphs run `eager_capture`."""
     import torch
 
-    from smcspec.bench.gpu import GpuPlan
+    from smcspec.bench.gpu.runner import GpuPlan
 
     if device == "auto":
         if not torch.cuda.is_available():

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from smcspec.bench.gpu import run_all, sd_tokens_per_round, weight_bytes
-from smcspec.bench.gpu_checks import check_correctness
-from smcspec.bench.gpu_pairs import PAIRS, QK_SCALE, GpuPlan, build_pair, load_config, pair_weights
+from smcspec.bench.gpu.checks import check_correctness
+from smcspec.bench.gpu.pairs import PAIRS, QK_SCALE, GpuPlan, build_pair, load_config, pair_weights
+from smcspec.bench.gpu.runner import run_all, sd_tokens_per_round, weight_bytes
 from smcspec.bench.results import header, measurements
 from smcspec.cli import main
 from smcspec.models import paged_attention

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import pytest
 
-from smcspec.bench import gpu_estimate as ge
-from smcspec.bench.gpu import weight_bytes as bench_weight_bytes
-from smcspec.bench.gpu_pairs import load_config
+from smcspec.bench.gpu import estimate as ge
+from smcspec.bench.gpu.pairs import load_config
+from smcspec.bench.gpu.runner import weight_bytes as bench_weight_bytes
 from smcspec.models import paged_attention
 from smcspec.models.llama import LlamaConfig
 

@@ -1,4 +1,4 @@
-"""scripts/gpu_check as stages (`gpu_run`): a stage that raises leaves its traceback in gpu.md
+"""scripts/gpu_check as stages (`gpu.stages`): a stage that raises leaves its traceback in gpu.md
 and the run goes on (exit 3), the time budget turns checks into "not run" (never "passed",
 exit 4), --pairs chooses the pairs, and the floor of a step is bytes over a read-only
 bandwidth. In-process on the smoke plan, cut down to seconds."""
@@ -11,11 +11,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from smcspec.bench import gpu, gpu_probes
-from smcspec.bench.gpu_checks import graphs_vs_eager, scheduler_batch
-from smcspec.bench.gpu_pairs import PAIRS, GpuPlan, build_pair, load_config, pair_llm
-from smcspec.bench.gpu_run import CRASHED, INCOMPLETE
-from smcspec.bench.gpu_targets import TARGETS, targets_table
+from smcspec.bench.gpu import probes as gpu_probes
+from smcspec.bench.gpu import runner as gpu
+from smcspec.bench.gpu.checks import graphs_vs_eager, scheduler_batch
+from smcspec.bench.gpu.pairs import PAIRS, GpuPlan, build_pair, load_config, pair_llm
+from smcspec.bench.gpu.stages import CRASHED, INCOMPLETE
+from smcspec.bench.gpu.targets import TARGETS, targets_table
 from smcspec.bench.results import header, measurements
 from smcspec.models.graphs import GraphRunner
 from smcspec.models.llama import LlamaConfig

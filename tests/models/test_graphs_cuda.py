@@ -1,7 +1,7 @@
 """CUDA graphs against eager steps on a GPU, in the test suite: the CPU tests check the graph
 runner's logic through `eager_capture` (test_native_engine.py), never a captured CUDA graph.
 
-The comparison is `smcspec bench gpu`'s own (`gpu_checks.graphs_vs_eager`, the tolerances
+The comparison is `smcspec bench gpu`'s own (`gpu.checks.graphs_vs_eager`, the tolerances
 included), on its smoke plan's tiny pair moved to the GPU in bfloat16 (what `auto` picks on
 CUDA), with the Triton paged kernel that graphs need: ar, sd and smc tokens for one seed
 identical, the logits of a batch padded to its bucket within 2e-2 of eager ones, and at least
@@ -12,8 +12,8 @@ import dataclasses
 import pytest
 import torch
 
-from smcspec.bench.gpu_checks import graphs_vs_eager
-from smcspec.bench.gpu_pairs import PAIRS, GpuPlan, build_pair
+from smcspec.bench.gpu.checks import graphs_vs_eager
+from smcspec.bench.gpu.pairs import PAIRS, GpuPlan, build_pair
 from smcspec.models import paged_attention
 
 pytestmark = [

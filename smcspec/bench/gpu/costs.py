@@ -1,8 +1,8 @@
-"""The cost model of the H200 estimate (`gpu_estimate`): seconds of a forward pass, a sampling
+"""The cost model of the H200 estimate (`gpu.estimate`): seconds of a forward pass, a sampling
 call and a round, in the GPU engine's old design and in the new one.
 
 Nothing here ran on a GPU and nothing here is measured. Every number is bytes, FLOPs and kernel
-launches counted from the shipped model configs (`gpu_pairs`), priced with the named constants
+launches counted from the shipped model configs (`gpu.pairs`), priced with the named constants
 of `Assumptions` (each printed with its source), and combined into rounds with the roofline's
 own formula (`roofline.predict`). Every row of the output is labelled ESTIMATE.
 
@@ -33,9 +33,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from smcspec.bench.gpu import sd_tokens_per_round
-from smcspec.bench.gpu_assumptions import Assumptions
-from smcspec.bench.gpu_pairs import PAIRS, load_config
+from smcspec.bench.gpu.assumptions import Assumptions
+from smcspec.bench.gpu.pairs import PAIRS, load_config
+from smcspec.bench.gpu.runner import sd_tokens_per_round
 from smcspec.bench.roofline import predict
 
 BF16_BYTES = 2
@@ -43,7 +43,7 @@ BF16_BYTES = 2
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The sizes of one shipped config (`gpu_pairs.load_config`) that the costs depend on."""
+    """The sizes of one shipped config (`gpu.pairs.load_config`) that the costs depend on."""
 
     name: str
     layers: int
@@ -56,7 +56,7 @@ class ModelShape:
 
     @classmethod
     def load(cls, name: str, vocab: int | None = None) -> ModelShape:
-        """`vocab` pads a draft's vocabulary to its target's, as `gpu_pairs.build_pair` does."""
+        """`vocab` pads a draft's vocabulary to its target's, as `gpu.pairs.build_pair` does."""
         cfg = load_config(name)
         heads = cfg["num_attention_heads"]
         return cls(
@@ -259,7 +259,7 @@ def sample_s(draws: int, positions: int, vocab: int, design: Design, a: Assumpti
 # ---- rounds ---------------------------------------------------------------------------------
 
 
-Method = tuple[str, int, int]  # (method, N, K), as gpu_pairs names them
+Method = tuple[str, int, int]  # (method, N, K), as gpu.pairs names them
 METHODS: tuple[Method, ...] = (("ar", 1, 0), ("sd", 1, 4), ("smc", 8, 8))
 
 

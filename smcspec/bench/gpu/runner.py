@@ -1,6 +1,6 @@
 """`smcspec bench gpu`: the native engine on one accelerator, with random weights of real shapes.
 
-The pairs (`gpu_pairs`) are built from the published config.json files with random weights
+The pairs (`gpu.pairs`) are built from the published config.json files with random weights
 made on the device. For each pair, eager steps and CUDA-graph replays side by side: the
 target's one-token step against its bytes / read-bandwidth floor, verification at N x (K+1)
 rows, steps at long contexts, the draft step at batch 1..8, resampling by page tables, KV bytes,
@@ -11,10 +11,10 @@ SD's speed depends on its acceptance, which random weights make meaningless; it 
 as measured here and as predicted from this device's step costs with the acceptance measured on
 the real pair (`SD_ACCEPTANCE`). SMC commits K+1 tokens every round whatever the weights.
 
-`run_all` runs it as stages (`Run`): the correctness checks (`gpu_checks`, in
-`plan.check_dtype`) first, then the probes (`gpu_probes`) and the bench. A stage that raises
+`run_all` runs it as stages (`Run`): the correctness checks (`gpu.checks`, in
+`plan.check_dtype`) first, then the probes (`gpu.probes`) and the bench. A stage that raises
 leaves its traceback in the report and the run goes on; what the time budget leaves out is
-reported as not run; gpu.md (`gpu_report`) is rewritten after every stage.
+reported as not run; gpu.md (`gpu.report`) is rewritten after every stage.
 """
 
 from __future__ import annotations
@@ -26,16 +26,16 @@ from typing import Any
 
 import torch
 
-from smcspec.bench import gpu_probes as probes
 from smcspec.bench.engine import resample_timing
-from smcspec.bench.gpu_checks import (
+from smcspec.bench.gpu import probes
+from smcspec.bench.gpu.checks import (
     check_triton,
     graphs_vs_eager,
     native_vs_transformers,
     one_token,
     scheduler_batch,
 )
-from smcspec.bench.gpu_pairs import (
+from smcspec.bench.gpu.pairs import (
     PAIRS,
     ROLES,
     SD_ACCEPTANCE,
@@ -50,8 +50,8 @@ from smcspec.bench.gpu_pairs import (
     pair_llm,
     replays,
 )
-from smcspec.bench.gpu_probes import timed
-from smcspec.bench.gpu_run import BAD_OPTIONS, CRASHED, Outcome, Run
+from smcspec.bench.gpu.probes import timed
+from smcspec.bench.gpu.stages import BAD_OPTIONS, CRASHED, Outcome, Run
 from smcspec.bench.roofline import time_forward
 from smcspec.engine.llm import LLM
 from smcspec.models import paged_attention

@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 
 from smcspec import sampling
 from smcspec.bench import machine
-from smcspec.bench.gpu_pairs import GpuPlan, Method, generate
+from smcspec.bench.gpu.pairs import GpuPlan, Method, generate
 from smcspec.engine.llm import LLM
 
 # The runtime calls that make the host wait for the device; a blocking copy is a memcpy

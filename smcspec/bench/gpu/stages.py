@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from smcspec.bench.gpu_pairs import Deadline, GpuPlan
-from smcspec.bench.gpu_report import run_header, write_report
+from smcspec.bench.gpu.pairs import Deadline, GpuPlan
+from smcspec.bench.gpu.report import run_header, write_report
 from smcspec.bench.results import ResultLog
 
 # scripts/gpu_check's exit codes

@@ -194,7 +194,7 @@ def pair_weights(
 
     N(0, 0.02) weights give attention scores so small that attention is near uniform, and an
     average over keys hides an attention bug (a key missed, a wrong position, a stale page):
-    the model-level comparison in `gpu_checks` would barely see it. Scaling q and k by 8
+    the model-level comparison in `gpu.checks` would barely see it. Scaling q and k by 8
     multiplies the scores by 64 (their variance by 4096), so each query attends to a few keys
     and such a bug moves the logits. Speed does not depend on the values, so the bench runs
     the same models."""

@@ -1,4 +1,4 @@
-"""The H200's figures and the costs nothing in the estimate measures (`gpu_costs`): one
+"""The H200's figures and the costs nothing in the estimate measures (`gpu.costs`): one
 frozen `Assumptions`, each field with its source (`SOURCES`), and the slow end of the ranges the
 sources give (`SLOW_END`) for the targets table's pessimistic column."""
 

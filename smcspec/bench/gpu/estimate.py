@@ -1,8 +1,8 @@
 """An estimate of smcspec's speed on one H200: the GPU engine's old design against the new one,
 written as benchmarks/gpu/estimate.md.
 
-Nothing here ran on a GPU and nothing here is measured: the costs are `gpu_costs`'s counted
-bytes, FLOPs and kernel launches priced with `gpu_assumptions`. This module holds the issue's
+Nothing here ran on a GPU and nothing here is measured: the costs are `gpu.costs`'s counted
+bytes, FLOPs and kernel launches priced with `gpu.assumptions`. This module holds the issue's
 targets and writes the report; every row of it is labelled ESTIMATE.
 """
 
@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from smcspec.bench.gpu_assumptions import SLOW_END, SOURCES, Assumptions, slow_end
-from smcspec.bench.gpu_costs import (
+from smcspec.bench.gpu.assumptions import SLOW_END, SOURCES, Assumptions, slow_end
+from smcspec.bench.gpu.costs import (
     GIVEN_FIXED_LAUNCHES,
     METHODS,
     WAITS_SOURCE,
@@ -34,7 +34,7 @@ from smcspec.bench.gpu_costs import (
     split_launch,
     weight_bytes,
 )
-from smcspec.bench.gpu_pairs import PAIRS
+from smcspec.bench.gpu.pairs import PAIRS
 from smcspec.bench.results import measurements
 
 __all__ = [  # the cost model's names callers import from here
@@ -174,7 +174,7 @@ def report(designs: tuple[Design, Design], a: Assumptions, alpha: float, alpha_s
     sections = [
         "# H200 estimate: the old GPU design against the new (ESTIMATE: nothing here is measured)",
         "",
-        "Written by `scripts/gpu_estimate` (`smcspec/bench/gpu_estimate.py`). Every number is "
+        "Written by `scripts/gpu_estimate` (`smcspec/bench/gpu/estimate.py`). Every number is "
         "counted bytes, FLOPs and kernel launches of the shipped configs (bf16, random weights "
         "do not change them) priced with the constants at the end; no GPU ran. Realistic error: "
         "+-50%. A pass = max(weight bytes / (HBM x GEMM efficiency), FLOPs / bf16 rate) + "

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from smcspec.bench.gpu_pairs import (
+from smcspec.bench.gpu.pairs import (
     Deadline,
     GpuPlan,
     Pair,

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from smcspec.bench import machine
-from smcspec.bench.gpu_pairs import (
+from smcspec.bench.gpu.pairs import (
     PAIRS,
     SD_ACCEPTANCE,
     SD_ACCEPTANCE_PAIR,
@@ -21,7 +21,7 @@ from smcspec.bench.gpu_pairs import (
     GpuPlan,
     load_config,
 )
-from smcspec.bench.gpu_targets import targets_table
+from smcspec.bench.gpu.targets import targets_table
 from smcspec.bench.results import header, measurements
 
 

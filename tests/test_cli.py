@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from smcspec import LLM, cli, cli_generate
+from smcspec import LLM, cli
+from smcspec.cli import generate as cli_generate
 from smcspec.config import AutoConfig, SMCConfig
 from tests.conftest import Loading
 

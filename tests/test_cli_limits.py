@@ -9,7 +9,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from smcspec import cli, cli_common, cli_generate, cli_serve
+from smcspec import cli
+from smcspec.cli import common as cli_common
+from smcspec.cli import generate as cli_generate
+from smcspec.cli import serve as cli_serve
 from smcspec.config import EngineLimits, HTTPLimits
 
 ENGINE = ("max_running", "max_batch_tokens", "kv_pages", "kv_memory")

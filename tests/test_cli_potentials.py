@@ -12,7 +12,8 @@ import llguidance
 import pytest
 import torch
 
-from smcspec import LLM, cli, cli_generate
+from smcspec import LLM, cli
+from smcspec.cli import generate as cli_generate
 from smcspec.potentials import Constraint, Power, Reward
 from tests.plumbing import byte_pair, factor, next_token_log_probs, record_decoders
 

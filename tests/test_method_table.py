@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import pytest
 from fastapi.testclient import TestClient
 
-from smcspec import LLM, cli, cli_generate
+from smcspec import LLM, cli
+from smcspec.cli import generate as cli_generate
 from smcspec.config import SDConfig, SMCConfig
 from smcspec.decoding import SpeculativeDecoder, methods
 from smcspec.decoding.round_tokens import sd_tokens_per_round

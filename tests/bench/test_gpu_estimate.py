@@ -1,4 +1,4 @@
-"""The H200 estimate (`bench.gpu_estimate`): its formulas against numbers worked by hand, its
+"""The H200 estimate (`bench.gpu.estimate`): its formulas against numbers worked by hand, its
 monotonicity where a swapped argument would show, and the script's table.
 
 Each was run against a broken copy of the module in a private clone, and failed on it:

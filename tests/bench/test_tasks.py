@@ -12,10 +12,10 @@ import zipfile
 import pytest
 
 from smcspec.bench import answers, datasets, tasks
-from smcspec.bench.cli_accuracy import problem_slice
 from smcspec.bench.contenders import build_grid
 from smcspec.bench.speed import SpeedPlan
 from smcspec.cli import main
+from smcspec.cli.bench_accuracy import problem_slice
 
 
 def test_every_gsm8k_solution_checks_as_its_reference_and_a_wrong_number_does_not():

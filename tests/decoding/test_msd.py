@@ -17,7 +17,8 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from smcspec import LLM, cli, cli_generate
+from smcspec import LLM, cli
+from smcspec.cli import generate as cli_generate
 from smcspec.config import MAX_PARTICLES, MSDConfig, SamplingConfig
 from smcspec.decoding import AutoregressiveDecoder, MultiDraftDecoder, methods, msd
 from smcspec.server.app import ServeDefaults, create_app

@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from smcspec import LLM, cli, cli_generate
+from smcspec import LLM, cli
+from smcspec.cli import generate as cli_generate
 from smcspec.potentials import ConstraintError
 from tests.server.test_tools import save_byte_model
 

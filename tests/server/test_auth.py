@@ -144,7 +144,7 @@ def test_serve_reads_the_key_from_the_environment_and_never_logs_it(
 
 def test_the_flag_wins_over_the_environment(monkeypatch):
     from smcspec.cli import build_parser
-    from smcspec.cli_serve import _api_key
+    from smcspec.cli.serve import _api_key
 
     parser = build_parser()
     monkeypatch.setenv("SMCSPEC_API_KEY", "from-env")

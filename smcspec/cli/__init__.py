@@ -1,6 +1,6 @@
 """Command line: `smcspec generate PROMPT ...`, `smcspec serve ...`, `smcspec bench ...`.
 
-Each command lives in its own module (`cli_generate`, `cli_serve`, `bench.cli`); this one
+Each command lives in its own module of this package (`generate`, `serve`, `bench`); this one
 assembles the parser and turns errors into exit codes."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import argparse
 import sys
 from importlib import metadata
 
-from smcspec.bench.cli import add_parser as add_bench_parser
-from smcspec.cli_common import Help
-from smcspec.cli_generate import add_parser as add_generate_parser
-from smcspec.cli_generate import load_function, run_generate, summary
-from smcspec.cli_serve import add_parser as add_serve_parser
-from smcspec.cli_serve import run_serve
+from smcspec.cli.bench import add_parser as add_bench_parser
+from smcspec.cli.common import Help
+from smcspec.cli.generate import add_parser as add_generate_parser
+from smcspec.cli.generate import load_function, run_generate, summary
+from smcspec.cli.serve import add_parser as add_serve_parser
+from smcspec.cli.serve import run_serve
 
 # summary and load_function are used from here by tests and users.
 __all__ = ["build_parser", "load_function", "main", "summary"]
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             return run_serve(args)
         if args.command == "bench":
-            from smcspec.bench.cli import run_bench
+            from smcspec.cli.bench import run_bench
 
             return run_bench(args)
     except ValueError as err:
@@ -65,6 +65,3 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -7,7 +7,7 @@ import dataclasses
 import os
 import sys
 
-from smcspec.cli_common import (
+from smcspec.cli.common import (
     K_HELP,
     add_engine_limits,
     add_model_options,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-from smcspec.bench.cli_accuracy import add_task_options, problem_slice
-from smcspec.bench.cli_grid import add_grid_options, grid_from_args, precision
 from smcspec.bench.tasks import TASKS
-from smcspec.cli_common import command, llm_from_args
+from smcspec.cli.bench_accuracy import add_task_options, problem_slice
+from smcspec.cli.bench_grid import add_grid_options, grid_from_args, precision
+from smcspec.cli.common import command, llm_from_args
 
 
 def add_law(bsub) -> None:

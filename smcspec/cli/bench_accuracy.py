@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from smcspec.bench.cli_grid import T_DEFAULT, add_grid_options, grid_from_args, precision
 from smcspec.bench.tasks import TASKS
-from smcspec.cli_common import command, llm_from_args
+from smcspec.cli.bench_grid import T_DEFAULT, add_grid_options, grid_from_args, precision
+from smcspec.cli.common import command, llm_from_args
 
 
 def add_accuracy(bsub) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from smcspec.bench.contenders import LLAMA_CPP, build_grid, parse_ints
-from smcspec.cli_common import add_model_options, add_resample_threshold
+from smcspec.cli.common import add_model_options, add_resample_threshold
 from smcspec.config import SamplingConfig, SMCConfig
 
 T_DEFAULT = SamplingConfig.temperature

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from smcspec.cli_common import (
+from smcspec.cli.common import (
     K_HELP,
     add_auto,
     add_engine_limits,
@@ -21,7 +21,7 @@ from smcspec.cli_common import (
     engine_limits,
     llm_from_args,
 )
-from smcspec.cli_sampling import add_sampling_flags, sampling_settings
+from smcspec.cli.sampling import add_sampling_flags, sampling_settings
 from smcspec.config import MAX_PARTICLES
 from smcspec.engine import (
     configs_from_fields,

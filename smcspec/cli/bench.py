@@ -6,13 +6,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from smcspec.bench.cli_accuracy import add_accuracy, run_accuracy_args
-from smcspec.bench.cli_grid import T_DEFAULT, floats, grid_from_args, precision
-from smcspec.bench.cli_grid import add_grid_options as _add_grid_options
-from smcspec.bench.cli_law import add_law, run_law_args
 from smcspec.bench.contenders import LLAMA_CPP, build_grid, parse_ints
 from smcspec.bench.tasks import prompt_texts
-from smcspec.cli_common import (
+from smcspec.cli.bench_accuracy import add_accuracy, run_accuracy_args
+from smcspec.cli.bench_grid import T_DEFAULT, floats, grid_from_args, precision
+from smcspec.cli.bench_grid import add_grid_options as _add_grid_options
+from smcspec.cli.bench_law import add_law, run_law_args
+from smcspec.cli.common import (
     add_model_options,
     command,
     llm_from_args,

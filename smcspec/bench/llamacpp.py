@@ -122,8 +122,10 @@ class LlamaCpp:
         """For result headers: the build, its CPU features, threads and files."""
         import llama_cpp
 
+        built = self.bin_dir.parents[1] / "BUILT"  # scripts/build_llama_cpp's variant
         return {
             "llama_cpp_python": VERSION,
+            "build": built.read_text().strip() if built.is_file() else None,
             "system_info": llama_cpp.llama_print_system_info().decode().strip(),
             "threads": self.threads,
             "files": {q: [p.target.name, p.draft.name] for q, p in self.pairs.items()},

@@ -9,8 +9,8 @@ import socket
 
 import torch
 
-from smcspec.engine.costs import cpu_model as cpu_model
-from smcspec.engine.costs import drain as drain
+from smcspec.engine.timing import cpu_model as cpu_model
+from smcspec.engine.timing import drain as drain
 
 
 def describe(precision: str, device: str = "cpu") -> dict:

@@ -9,7 +9,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from smcspec.engine import setting_label
+from smcspec.engine import method_names, method_row, setting_label
 
 Z95 = 1.959963984540054
 STAGES = ("prefill", "draft", "verify", "resample", "other")
@@ -183,9 +183,10 @@ def speed_table(rows: list[dict[str, Any]]) -> str:
     return head + "\n".join(lines) + "\n"
 
 
-# the fixed settings auto chooses among: exact ones, and smc too with approximate
-EXACT = ("ar", "sd", "msd")
-FIXED = (*EXACT, "smc")
+# the fixed settings auto chooses among (the table's rows that are one setting): exact ones,
+# and the approximate ones (smc) too with approximate
+FIXED = tuple(m for m in method_names() if not method_row(m).chooses)
+EXACT = tuple(m for m in FIXED if method_row(m).exact)
 
 
 def best_fixed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -207,7 +208,9 @@ def best_fixed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         fixed = [r for r in here if r.get("method") in FIXED and "power=" not in r["label"]]
         exact = [r for r in fixed if r["method"] in EXACT]
         best_exact, best_all = _fastest(exact), _fastest(fixed)
-        ar, sd, msd = (_fastest([r for r in here if r.get("method") == m]) for m in EXACT)
+        ar, sd, msd = (
+            _fastest([r for r in here if r.get("method") == m]) for m in ("ar", "sd", "msd")
+        )
         auto, approx = (
             _fastest([r for r in here if r.get("method") == m]) for m in ("auto", "auto-approx")
         )

@@ -23,7 +23,7 @@ from smcspec.bench import machine
 from smcspec.bench.report import decode_rate
 from smcspec.bench.results import measurements
 from smcspec.config import SamplingConfig
-from smcspec.engine.costs import time_forward
+from smcspec.engine.timing import time_forward
 
 Row = tuple[str, int, int]  # (method, N, K): ("smc", N, K) or ("sd", 1, K)
 

@@ -85,7 +85,7 @@ def run_generate(args: argparse.Namespace) -> int:
         raise ValueError("--system goes into the chat template, which --no-chat turns off")
     # Every setting is checked, and typed, before a minute of model loading.
     potentials = _potential_args(args)
-    decoding, sampling = configs_from_fields(settings(args), has_potential=bool(potentials))
+    decoding, sampling = configs_from_fields(settings(args))
     check_stops(args.stop)
     llm = llm_from_args(args, limits=engine_limits(args))
     if args.system is not None:

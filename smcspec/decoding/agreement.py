@@ -39,6 +39,11 @@ class Tally:
         self.total += float(values.sum())
         self.positions += values.numel()
 
+    def merge(self, mean: float, positions: int) -> None:
+        """Another decode's tally, given as its mean over its positions (a Stats' fields)."""
+        self.total += mean * positions
+        self.positions += positions
+
     @property
     def mean(self) -> float | None:
         """None, not NaN, when nothing was drafted: JSON has no NaN."""

@@ -27,9 +27,9 @@ decodes the whole request.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, cast
 
 import torch
 
@@ -126,8 +126,25 @@ class Stepper(Decoder, Protocol):
     ) -> Step: ...
 
 
-# (settings, potential) -> the decoder of the method whose settings they are
-MakeDecoder = Callable[[DecodingConfig, Potential | None], Any]
+class ParticleDecoder(Decoder, Protocol):
+    """An approximate method's decoder (smc's), which auto runs from the committed text
+    (`generated`) until its weights degenerate (`stop_when`)."""
+
+    def decode(
+        self,
+        prompt: list[int],
+        sampling_cfg: SamplingConfig,
+        generator: torch.Generator,
+        watch: Watch | None = None,
+        *,
+        generated: Sequence[int] = (),
+        stop_when: Callable[[Population], bool] | None = None,
+    ) -> DecodeResult: ...
+
+
+# (settings, potential) -> the decoder of the method whose settings they are: a Stepper for an
+# exact method, a ParticleDecoder for an approximate one (the method table's `decoder`)
+MakeSetting = Callable[[DecodingConfig, Potential | None], Stepper | ParticleDecoder]
 
 
 @dataclass
@@ -224,7 +241,7 @@ class AutoDecoder:
         config: AutoConfig,
         potential: Potential | None,
         tuner: Tuner,
-        make: MakeDecoder,
+        make: MakeSetting,
     ) -> None:
         self.target = target
         self.draft = draft
@@ -298,7 +315,7 @@ class AutoDecoder:
                     choice, since = self._choose(run, choice.config), 0
                     if not choice.exact:
                         return choice
-                stepper: Stepper = self.make(choice.config, None)
+                stepper = cast(Stepper, self.make(choice.config, None))  # an exact setting
                 before = clock.spent()
                 step = stepper.step(
                     run.seq, caches, run.remaining, run.s, generator, clock, len(run.prompt)
@@ -336,7 +353,8 @@ class AutoDecoder:
             return low_ess_of(pop.ess_history, floor)
 
         head = list(run.new)
-        result = self.make(choice.config, None).decode(
+        particles = cast(ParticleDecoder, self.make(choice.config, None))  # approximate
+        result = particles.decode(
             run.prompt,
             dataclasses.replace(run.s, max_new_tokens=run.remaining),
             generator,
@@ -357,8 +375,7 @@ class AutoDecoder:
             mean = sum(stats.ess) / len(stats.ess) / n
             run.divergences.append(self.config.divergence(max(mean, 1e-9), n))
         if stats.draft_agreement is not None:
-            run.tally.total += stats.draft_agreement * stats.agreement_positions
-            run.tally.positions += stats.agreement_positions
+            run.tally.merge(stats.draft_agreement, stats.agreement_positions)
         if result.logprobs is not None:
             run.scores.append(result.logprobs)
         if low_ess_of(stats.ess, floor):

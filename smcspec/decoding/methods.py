@@ -4,8 +4,9 @@ A row names the method, its settings class (a frozen dataclass of `smcspec.confi
 type is what picks its method), the decoder that runs it, the KV rows one request keeps in the
 target's and the draft's caches, the draft tokens a round can write past the last committed one
 (the room a request reserves beyond its new tokens), the tokens a round commits in expectation
-at sd's acceptance probability a (what `engine.costs` prices a round by), and whether it takes
-potentials (samples p(x) phi(x) / Z, or applies them locally as ar does). The engine, the
+at sd's acceptance probability a (what `engine.costs` prices a round by), whether it takes
+potentials (samples p(x) phi(x) / Z, or applies them locally as ar does), and the settings auto
+weighs for it (`candidates` over a `Grid`). The engine, the
 command line, the server's schema and the benchmarks all read these rows, so a new method is one
 row here plus its decoder.
 
@@ -48,6 +49,19 @@ MakeDecoder = Callable[[CausalLM, CausalLM, Any, Potential | None, Tuner | None]
 
 
 @dataclass(frozen=True)
+class Grid:
+    """The values auto weighs: every K in `draft_tokens`, N in `msd_particles` for msd and in
+    `smc_particles` for smc; ar and sd only where `ar` / `sd` (a request that gives K leaves ar
+    out, one that gives N ar and sd too). Each row's `grid` reads the fields it needs."""
+
+    draft_tokens: tuple[int, ...] = tuple(range(1, 9))
+    msd_particles: tuple[int, ...] = (2, 4, 8)
+    smc_particles: tuple[int, ...] = (2, 4, 8)
+    ar: bool = True
+    sd: bool = True
+
+
+@dataclass(frozen=True)
 class Method:
     """One decoding method. `kv_rows(config)`: the sequences a request keeps in the target's and
     the draft's KV cache; `lookahead(config)`: draft tokens a round writes past the last committed
@@ -57,7 +71,10 @@ class Method:
     `exact`: whether the output's law is the target's (auto's by default, `AutoConfig.exact`);
     `chooses`: whether it picks other rows' settings with the engine's tuner (auto);
     `tokens_exact`: whether `tokens_per_round` is the expectation itself (msd's is a model:
-    the engine calibrates it on measured rounds)."""
+    the engine calibrates it on measured rounds); `grid(g)`: its settings auto weighs over a
+    `Grid` (None: auto itself, which weighs the others); `conditional`: whether it samples
+    p(x) phi(x) / Z with a potential, so that auto may run it when one is given (ar takes a
+    potential but applies it token by token, a different law)."""
 
     name: str
     config: type
@@ -70,6 +87,8 @@ class Method:
     exact: bool
     chooses: bool = False
     tokens_exact: bool = True
+    grid: Callable[[Grid], list[Any]] | None = None
+    conditional: bool = False
 
     @property
     def settings(self) -> tuple[str, ...]:
@@ -92,6 +111,7 @@ TABLE: dict[str, Method] = {
             potentials=True,
             summary="autoregressive: one target step per token, the reference",
             exact=True,
+            grid=lambda g: [ARConfig()] if g.ar else [],
         ),
         Method(
             "sd",
@@ -105,6 +125,7 @@ TABLE: dict[str, Method] = {
             potentials=False,
             summary="speculative decoding: K draft tokens a round, exact by rejection sampling",
             exact=True,
+            grid=lambda g: [SDConfig(draft_tokens=k) for k in g.draft_tokens] if g.sd else [],
         ),
         Method(
             "smc",
@@ -118,6 +139,12 @@ TABLE: dict[str, Method] = {
             potentials=True,
             summary="SMC speculative decoding: N particles of K draft tokens, weighted, resampled",
             exact=False,
+            grid=lambda g: [
+                SMCConfig(particles=n, draft_tokens=k)
+                for n in g.smc_particles
+                for k in g.draft_tokens
+            ],
+            conditional=True,
         ),
         Method(
             "msd",
@@ -134,6 +161,11 @@ TABLE: dict[str, Method] = {
             summary="multi-draft speculative decoding: N drafts of K tokens a round, exact",
             exact=True,
             tokens_exact=False,
+            grid=lambda g: [
+                MSDConfig(particles=n, draft_tokens=k)
+                for n in g.msd_particles
+                for k in g.draft_tokens
+            ],
         ),
         Method(
             "auto",
@@ -160,7 +192,6 @@ TABLE: dict[str, Method] = {
 }
 # None as the method: auto, which picks the fastest setting (smc's N and K with a potential).
 DEFAULT = "auto"
-DEFAULT_WITH_POTENTIAL = "auto"
 # Settings that belong to no method's config but to how the converter reads them:
 # `approximate` is `exact`'s opposite, as the CLI (--approximate) and HTTP bodies spell it.
 CONVERTER_FIELDS = ("method", "allow_large", "approximate")
@@ -204,11 +235,24 @@ def kv_rows(decoding: DecodingConfig) -> tuple[int, int]:
     return row_of(decoding).kv_rows(decoding)
 
 
-def resolve(method: str | None, has_potential: bool = False) -> Method:
+def resolve(method: str | None) -> Method:
     """The row of `method`; None: the default (auto, with or without a potential)."""
-    if method is None:
-        method = DEFAULT_WITH_POTENTIAL if has_potential else DEFAULT
-    return method_row(method)
+    return method_row(DEFAULT if method is None else method)
+
+
+def candidates(
+    grid: Grid = Grid(), exact: bool = True, has_potential: bool = False
+) -> list[tuple[str, DecodingConfig]]:
+    """auto's settings over `grid`: with a potential, the rows that sample the conditional;
+    otherwise the exact rows, and where not `exact` the approximate ones too. Exact rows first,
+    then table order, so that a tie goes to the simpler setting."""
+    rows = [row for row in TABLE.values() if row.grid is not None]
+    if has_potential:
+        rows = [row for row in rows if row.conditional]
+    elif exact:
+        rows = [row for row in rows if row.exact]
+    rows.sort(key=lambda row: not row.exact)
+    return [(row.name, config) for row in rows for config in row.grid(grid)]
 
 
 def method_fields() -> tuple[str, ...]:
@@ -219,7 +263,6 @@ def method_fields() -> tuple[str, ...]:
 
 def configs_from_fields(
     given: Mapping[str, Any],
-    has_potential: bool = False,
     fallback: Mapping[str, Any] | None = None,
 ) -> tuple[DecodingConfig, SamplingConfig]:
     """The typed settings of a mapping of fields: `method` (None: `resolve`'s default),
@@ -239,7 +282,7 @@ def configs_from_fields(
         raise TypeError(f"unknown setting {unknown[0]!r}")
     fallback = fallback or {}
     method = given.get("method")
-    chosen = resolve(fallback.get("method") if method is None else method, has_potential)
+    chosen = resolve(fallback.get("method") if method is None else method)
     _check_read(given, chosen)
     given = _with_fallback(given, fallback, chosen)
     given = _exact_of(given)

@@ -1,4 +1,4 @@
-"""What a round of each method costs on this machine, and which method decodes fastest.
+"""What a round of each method costs on this machine: the price model auto chooses by.
 
 Costs. `StepCosts` holds, for one (target, draft) pair on one machine, the measured seconds of a
 target pass by (rows, tokens per row) and of a draft step by rows, and a fit of each:
@@ -10,8 +10,9 @@ near 0 (the paper's model: a wide pass costs a narrow one's time); on a CPU it d
 regimes are one straight line, and two numbers per model extrapolate off the grid without
 inventing a shape the measurements do not show. A shape that was measured is priced by its own
 measurement (a GPU's costs step at tile sizes, which no line follows); the fit prices the rest.
-`profile` measures the grid once per pair, dtype, device, torch threads and machine and caches
-it as JSON; `refresh` blends a request's own round times in.
+`engine.timing` measures the grid, `engine.probes` profiles a pair once per pair, dtype, device,
+torch threads and machine (cached as JSON by `engine.cost_cache`); `refresh` blends a request's
+own round times in.
 
 Prediction. A round of a method at sd's acceptance probability a = sum_x min(p, q)(x) commits
 the tokens its row of the method table gives (`tokens_per_round`; the formulas and msd's model
@@ -23,28 +24,18 @@ the rows it keeps (the row's `lookahead` is K, its `kv_rows` the rows):
     smc(N, K):  K + 1                                        K t_draft(N) + t_target(N, K+1)
 
 smc's prediction does not depend on a (it always commits K + 1 tokens) nor grows with N (more
-rows only cost more): what N buys is the estimate's quality, which `choose` leaves to the grid
+rows only cost more): what N buys is the estimate's quality, which the tuner leaves to the grid
 (a smallest N for a potential is set there).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import platform
-import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any, NamedTuple
 
-import torch
-
-from smcspec.config import ARConfig, DecodingConfig, MSDConfig, SDConfig, SMCConfig
-from smcspec.decoding.base import released, start_cache
+from smcspec.config import DecodingConfig
 from smcspec.decoding.methods import method_row
-from smcspec.engine.loading import cache_root
-from smcspec.models.base import CausalLM
 
 # A request's round time is one sample on a machine whose passes jitter by 10-30% (other work
 # shares the cores), against the profile's fastest of several: a quarter of the weight lets a
@@ -53,59 +44,6 @@ from smcspec.models.base import CausalLM
 REFRESH_WEIGHT = 0.25
 
 Fit = tuple[float, float]  # seconds: (fixed per pass, per position or per row)
-
-
-def drain() -> None:
-    """Wait for queued GPU work before reading a clock: CUDA calls return before their kernels
-    run, so a clock read without it times the launches. A no-op without CUDA."""
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def time_forward(model, context: list[int], batch: int, new_tokens: int, reps: int) -> float:
-    """Least seconds (of `reps`, after a warm-up) of one forward of `new_tokens` tokens per row
-    at `batch` rows, on a cache holding `context` (cropped back after each timing, so every rep
-    sees the same context)."""
-    return time_shapes(model, context, batch, [new_tokens], reps)[new_tokens]
-
-
-def time_shapes(
-    model, context: list[int], batch: int, widths: Sequence[int], reps: int, law: bool = False
-) -> dict[int, float]:
-    """`time_forward` at each of `widths` tokens per row, over one cache (the context fed once).
-    law: each pass also takes the log-softmax of its logits, as every round's sampling law does
-    (at a 152k vocabulary a real share of a round)."""
-    with released() as held:  # a pool too small to profile in gets its pages back
-        cache = start_cache(model, torch.tensor(context), batch, held)
-        model.forward(torch.tensor([context[-1:]] * batch), cache, 1)  # now holds the context
-        length = cache.length
-        out = {}
-        for width in widths:
-            tokens = torch.tensor([context[-width:]] * batch)
-            times = []
-            for _ in range(reps + 1):
-                drain()
-                start = time.perf_counter()
-                logits = model.forward(tokens, cache, width)
-                if law:
-                    torch.log_softmax(logits.float(), dim=-1)
-                drain()
-                times.append(time.perf_counter() - start)
-                cache.crop(length)
-            # the first is a warm-up; the least of the rest: other work on the machine only
-            # ever adds time, so the fastest rep is the closest to what the pass itself costs
-            out[width] = min(times[1:])
-    return out
 
 
 def fit_affine(points: Iterable[tuple[float, float]]) -> Fit:
@@ -268,103 +206,6 @@ def from_measurements(
     )
 
 
-def cache_key(llm) -> dict[str, Any]:
-    """What the costs depend on: the pair, its dtype and device, the kernel quantized weights
-    run on, the torch threads the passes run on, and the machine (the GPU's name on a GPU, else
-    the CPU's model)."""
-    device = torch.device(llm.target.device)
-    gpu = device.type == "cuda"
-    return {
-        "target": llm.names[0],
-        "draft": llm.names[1],
-        "dtype": str(llm.dtype),
-        "weights": weights_kind(str(llm.dtype), getattr(llm, "backend", "native")),
-        "device": str(device),
-        "torch_threads": torch.get_num_threads(),
-        "machine": torch.cuda.get_device_name(device) if gpu else cpu_model(),
-    }
-
-
-def weights_kind(dtype: str, backend: str) -> str:
-    """Which kernel int8 or int4 weights run on, which build of smcspec's and on which of the
-    CPU's units (a profile of fbgemm's int8 does not price smcspec's kernel, nor one build of it
-    another, nor its vector path its AMX tiles); the dtype itself otherwise."""
-    if dtype not in ("int8", "int4"):
-        return dtype
-    if backend == "hf":  # transformers' modules, int8 on fbgemm
-        return f"{dtype}, hf backend"
-    from smcspec.models import cpu_linear, layers
-
-    kind = layers.cache_kind(dtype)
-    if "-b16-" not in kind:
-        return kind
-    return f"{kind} {cpu_linear.build_key()} {cpu_linear.matrix_engine()}"
-
-
-def cache_path(key: Mapping[str, Any], cache_dir: str | Path | None = None) -> Path:
-    digest = hashlib.sha256(json.dumps(dict(key), sort_keys=True).encode()).hexdigest()
-    return cache_root(cache_dir) / "costs" / f"{digest[:20]}.json"
-
-
-def save(costs: StepCosts, cache_dir: str | Path | None = None) -> Path:
-    path = cache_path(costs.key, cache_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps(costs.to_json(), indent=1))
-    partial.replace(path)  # a reader never sees half a file
-    return path
-
-
-def load(key: Mapping[str, Any], cache_dir: str | Path | None = None) -> StepCosts | None:
-    """The costs cached under `key`, or None (none cached, or a file unreadable: profiled anew)."""
-    path = cache_path(key, cache_dir)
-    try:
-        costs = StepCosts.from_json(json.loads(path.read_text()))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return costs if costs.key == dict(key) else None
-
-
-def profile_widths(max_draft_tokens: int) -> list[int]:
-    """The tokens per row a profile times target passes at: 1, 2, 3, then about doubling to
-    K + 1 (the affine fit prices the widths between; fewer shapes, a shorter first start)."""
-    widths, t = [], 1
-    while t < max_draft_tokens + 1:
-        widths.append(t)
-        t = t + 1 if t < 3 else 2 * t - 1
-    return [*widths, max_draft_tokens + 1]
-
-
-def measure(
-    target: CausalLM,
-    draft: CausalLM,
-    rows: Sequence[int] = (1, 2, 4, 8),
-    max_draft_tokens: int = 8,
-    context: int = 128,
-    reps: int = 3,
-    key: Mapping[str, Any] | None = None,
-) -> StepCosts:
-    """The least timings of the target at every rows and `profile_widths` tokens per row and of the
-    draft's one-token step at every rows, each with its logits' log-softmax (`time_shapes`),
-    over a cache holding `context` positions (fed once per model and rows), fitted."""
-    for name, value in (("max_draft_tokens", max_draft_tokens), ("reps", reps)):
-        if not (isinstance(value, int) and value >= 1):
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    if not rows or not all(isinstance(r, int) and r >= 1 for r in rows):
-        raise ValueError(f"rows must be integers >= 1, got {rows!r}")
-    if not (isinstance(context, int) and context > max_draft_tokens + 1):
-        raise ValueError(f"context must be an integer > max_draft_tokens + 1, got {context!r}")
-    ids = [i % target.vocab_size for i in range(context)]
-    widths = profile_widths(max_draft_tokens)
-    target_seen = {
-        (r, t): seconds
-        for r in rows
-        for t, seconds in time_shapes(target, ids, r, widths, reps, law=True).items()
-    }
-    draft_seen = {r: time_shapes(draft, ids, r, [1], reps, law=True)[1] for r in rows}
-    return from_measurements(target_seen, draft_seen, key)
-
-
 class RoundTimes(NamedTuple):
     """A request's own timings over `rounds` rounds at `rows` rows and `draft_tokens` (K; 0 for
     ar): the seconds its draft steps took in all, and its target passes; `method`, when given,
@@ -431,46 +272,3 @@ def predict(method: str, config: DecodingConfig, a: float, costs: StepCosts) -> 
     """Predicted tokens per second of `method` under `config` at acceptance probability a."""
     tokens, seconds = round_cost(method, config, a, costs)
     return tokens / seconds
-
-
-@dataclass(frozen=True)
-class Grid:
-    """The settings `choose` weighs: ar (where `ar`), sd at each K (where `sd`); msd and smc at
-    each (N, K). A request that gives K leaves ar out, one that gives N ar and sd too."""
-
-    draft_tokens: tuple[int, ...] = tuple(range(1, 9))
-    msd_particles: tuple[int, ...] = (2, 4, 8)
-    smc_particles: tuple[int, ...] = (2, 4, 8)
-    ar: bool = True
-    sd: bool = True
-
-
-def candidates(
-    exact: bool = True, has_potential: bool = False, grid: Grid = Grid()
-) -> list[tuple[str, DecodingConfig]]:
-    """Simplest first (ar, sd, msd, smc), so that a tie goes to the simpler setting. A potential
-    needs smc (the others cannot sample p phi / Z); smc is approximate, so only when not exact."""
-    ks = grid.draft_tokens
-    smc: list[tuple[str, DecodingConfig]] = [
-        ("smc", SMCConfig(particles=n, draft_tokens=k)) for n in grid.smc_particles for k in ks
-    ]
-    if has_potential:
-        return smc
-    out: list[tuple[str, DecodingConfig]] = [("ar", ARConfig())] if grid.ar else []
-    out += [("sd", SDConfig(draft_tokens=k)) for k in ks] if grid.sd else []
-    out += [("msd", MSDConfig(particles=n, draft_tokens=k)) for n in grid.msd_particles for k in ks]
-    return out if exact else out + smc
-
-
-def choose(
-    a: float,
-    costs: StepCosts,
-    exact: bool = True,
-    has_potential: bool = False,
-    grid: Grid = Grid(),
-) -> tuple[str, DecodingConfig]:
-    """The (method, config) of highest predicted tokens/s among `candidates`."""
-    options = candidates(exact, has_potential, grid)
-    if not options:
-        raise ValueError("the grid leaves no setting to choose from")
-    return max(options, key=lambda option: predict(option[0], option[1], a, costs))

@@ -20,7 +20,7 @@ from smcspec.config import DecodingConfig, EngineLimits, SamplingConfig, Setting
 from smcspec.decoding import Decoder, DecodeResult, methods
 from smcspec.decoding.base import Stats, Watch
 from smcspec.decoding.logprobs import TokenLogprobs, score_prompt
-from smcspec.engine import costs, pools, probes
+from smcspec.engine import pools, probes, timing
 from smcspec.engine.loading import load_pair
 from smcspec.engine.request import Request, build_potential
 from smcspec.engine.scheduler import Job, Scheduler
@@ -128,7 +128,7 @@ class LLM:
         # models built elsewhere have no name to cache their costs under: measured, not cached
         llm.tuner = Tuner(
             lambda: probes.measure_rounds(
-                target, draft, costs.measure(target, draft), probes.profile_prompt(llm, 32)
+                target, draft, timing.measure(target, draft), probes.profile_prompt(llm, 32)
             )
         )
         return llm
@@ -290,7 +290,7 @@ class LLM:
         here, naming the pool. Bad settings raise ValueError naming the field."""
         stops = check_stops(stop)
         if decoding is None:
-            decoding = methods.resolve(None, potential is not None).config()
+            decoding = methods.resolve(None).config()
         row = methods.row_of(decoding)
         if potential is not None and not row.potentials:
             raise ValueError(
@@ -347,9 +347,7 @@ class LLM:
             power_alpha, regex, json_schema, grammar, reward, reward_beta, reward_every, potential
         )
         try:
-            decoding, sampling = methods.configs_from_fields(
-                {"method": method} | settings, potential is not None
-            )
+            decoding, sampling = methods.configs_from_fields({"method": method} | settings)
         except TypeError as err:  # an unknown keyword, named as Python names one
             name = str(err).removeprefix("unknown setting ")
             raise TypeError(f"generate() got an unexpected keyword argument {name}") from None

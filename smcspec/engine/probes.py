@@ -1,4 +1,4 @@
-"""Profiling a pair on this machine for `engine.costs`: bare passes (`costs.measure`) and real
+"""Profiling a pair on this machine for `engine.costs`: bare passes (`timing.measure`) and real
 rounds of every method (`measure_rounds`), once per pair, cached (`profile`)."""
 
 from __future__ import annotations
@@ -12,10 +12,12 @@ from pathlib import Path
 
 import torch
 
-from smcspec.config import ARConfig, DecodingConfig, MSDConfig, SamplingConfig, SDConfig, SMCConfig
+from smcspec.config import DecodingConfig, SamplingConfig
 from smcspec.decoding.base import DecodeResult
-from smcspec.decoding.methods import method_row
-from smcspec.engine.costs import StepCosts, cache_key, drain, load, measure, save
+from smcspec.decoding.methods import Grid, candidates, method_row
+from smcspec.engine.cost_cache import cache_key, load, save
+from smcspec.engine.costs import StepCosts
+from smcspec.engine.timing import drain, measure
 from smcspec.models.base import CausalLM
 
 # The draft lengths at which `measure_rounds` times real rounds of each drafting method; the
@@ -26,13 +28,9 @@ PROBE_PRIOR_ROUNDS = 2
 
 
 def round_probes(particles: Sequence[int] = (2, 4)) -> list[tuple[str, DecodingConfig]]:
-    """ar; sd at ROUND_KS; msd and smc at each N and ROUND_KS."""
-    out: list[tuple[str, DecodingConfig]] = [("ar", ARConfig())]
-    out += [("sd", SDConfig(draft_tokens=k)) for k in ROUND_KS]
-    for n in particles:
-        out += [("msd", MSDConfig(particles=n, draft_tokens=k)) for k in ROUND_KS]
-        out += [("smc", SMCConfig(particles=n, draft_tokens=k)) for k in ROUND_KS]
-    return out
+    """Every setting auto may weigh (exact or not) at ROUND_KS, and each N of `particles`."""
+    ns = tuple(particles)
+    return candidates(Grid(ROUND_KS, msd_particles=ns, smc_particles=ns), exact=False)
 
 
 class _Rounds:

@@ -31,9 +31,9 @@ from typing import Any
 from smcspec.config import AutoConfig, DecodingConfig, SamplingConfig
 from smcspec.decoding.agreement import Tally
 from smcspec.decoding.auto import Choice, Outlook, RoundTime
-from smcspec.decoding.methods import method_of, method_row
+from smcspec.decoding.methods import Grid, candidates, method_of, method_row
 from smcspec.engine import costs as step_costs
-from smcspec.engine.costs import Grid, RoundTimes, StepCosts
+from smcspec.engine.costs import RoundTimes, StepCosts
 from smcspec.kv.pages import OutOfPages
 
 # Before a pair has decoded anything under some sampling settings: the middle of the default
@@ -166,7 +166,7 @@ class Tuner:
         grid = grid_for(config)
         exact = not self.smc_allowed(outlook)
         out = []
-        for name, cfg in step_costs.candidates(exact, outlook.has_potential, grid):
+        for name, cfg in candidates(grid, exact, outlook.has_potential):
             row = method_row(name)
             if not (row.exact or outlook.has_potential) and (
                 min_divergence(a, cfg.draft_tokens, cfg.particles) > config.max_divergence

@@ -223,7 +223,7 @@ class Server:
         fields = {name: getattr(body, name, None) for name in fallback}
         fields |= _sampling(body, self.defaults.temperature)
         try:  # every setting checked once here; per choice only the seed and length change
-            decoding, sampling = configs_from_fields(fields, potential is not None, fallback)
+            decoding, sampling = configs_from_fields(fields, fallback)
         except SettingError as err:
             raise ApiError(str(err), err.field) from err
         drafts = lookahead(decoding)

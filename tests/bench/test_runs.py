@@ -210,11 +210,11 @@ NK = (("N", "particles"), ("K", "draft_tokens"))
 
 def test_speed_profiles_auto_before_timing_and_tables_its_choices(llm, tmp_path, monkeypatch):
     from smcspec.bench import speed
-    from smcspec.engine import costs
+    from smcspec.engine import timing
     from smcspec.engine.tuning import Tuner
 
     events = []
-    llm.tuner = Tuner(lambda: events.append("profile") or costs.measure(llm.target, llm.draft))
+    llm.tuner = Tuner(lambda: events.append("profile") or timing.measure(llm.target, llm.draft))
 
     def logged_run(llm_, c, ids, temp, max_new, *rest):
         events.append(("run", max_new))

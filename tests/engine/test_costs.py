@@ -1,4 +1,4 @@
-"""The cost model and the chooser: the round formulas against exact enumeration and a Monte Carlo
+"""The cost model: the round formulas against exact enumeration and a Monte Carlo
 of the tree walk, the choices they lead to, the cache, and a profile of the tiny native pair."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from smcspec.config import ARConfig, MSDConfig, SDConfig, SMCConfig
 from smcspec.decoding.round_tokens import msd_tokens_per_round, sd_tokens_per_round
-from smcspec.engine import LLM, probes
+from smcspec.engine import LLM, cost_cache, probes
 from smcspec.engine import costs as cm
 
 
@@ -35,41 +35,6 @@ def test_predict_is_the_rows_tokens_over_the_rounds_seconds(a):
         smc = cm.predict("smc", SMCConfig(particles=2, draft_tokens=k), a, costs)
         assert smc == pytest.approx((k + 1) / (k * 0.3 + 1 + 0.1 * 2 * (k + 1)))
     assert cm.predict("ar", ARConfig(), a, costs) == pytest.approx(1 / 1.1)
-
-
-@pytest.mark.parametrize("a", [0.2, 0.6, 0.95])
-def test_choose_takes_ar_when_a_draft_step_costs_a_target_pass(a):
-    costs = flat_costs(1.0, 0.0, 1.0, 0.0)
-    assert cm.choose(a, costs) == ("ar", ARConfig())
-
-
-def test_choose_takes_sd_with_longer_drafts_as_acceptance_nears_one():
-    # a compute-bound target (a position adds a tenth of a one-token pass), a draft step at 5%
-    # of it per row: a second row costs as much as it brings
-    costs = flat_costs(1.0, 0.1, 0.0, 0.05)
-    chosen = [cm.choose(a, costs) for a in (0.5, 0.7, 0.9, 0.99)]
-    assert all(method == "sd" for method, _ in chosen), chosen
-    ks = [config.draft_tokens for _, config in chosen]
-    assert ks == sorted(ks) and ks[0] < ks[-1], ks
-
-
-def test_choose_takes_msd_over_sd_when_acceptance_is_low_and_rows_are_nearly_free():
-    costs = flat_costs(1.0, 1e-4, 0.1, 1e-4)
-    method, config = cm.choose(0.3, costs)
-    assert method == "msd" and config.particles > 1, (method, config)
-    assert cm.predict(method, config, 0.3, costs) > max(
-        cm.predict("sd", SDConfig(draft_tokens=k), 0.3, costs) for k in range(1, 9)
-    )
-
-
-def test_choose_takes_smc_only_when_allowed():
-    costs = flat_costs(1.0, 1e-4, 0.1, 1e-4)  # smc's K + 1 tokens a round win at a = 0.3
-    assert cm.choose(0.3, costs, exact=True)[0] != "smc"
-    assert cm.choose(0.3, costs, exact=False)[0] == "smc"
-    # a potential: smc whatever exact says, even where ar is fastest
-    expensive_draft = flat_costs(1.0, 0.0, 1.0, 0.0)
-    method, config = cm.choose(0.9, expensive_draft, has_potential=True)
-    assert method == "smc" and isinstance(config, SMCConfig)
 
 
 def test_predict_refuses_a_bad_acceptance_or_a_config_of_another_method():
@@ -132,15 +97,16 @@ def test_refresh_moves_the_observed_shapes_a_quarter_of_the_way():
 def test_the_cache_round_trips_and_a_thread_count_is_part_of_its_key(tmp_path):
     key = {"target": "t", "draft": "d", "dtype": "float32", "device": "cpu", "torch_threads": 1}
     costs = cm.from_measurements({(1, 1): 1.0, (2, 2): 1.5}, {1: 0.1, 2: 0.15}, key)
-    path = cm.save(costs, tmp_path)
-    assert cm.load(key, tmp_path) == costs
+    path = cost_cache.save(costs, tmp_path)
+    assert cost_cache.load(key, tmp_path) == costs
     other = {**key, "torch_threads": 2}
-    assert cm.cache_path(other, tmp_path) != path and cm.load(other, tmp_path) is None
+    assert cost_cache.cache_path(other, tmp_path) != path
+    assert cost_cache.load(other, tmp_path) is None
     # a file whose own key differs (a copy, a collision of the name's hash) is not taken
-    cm.cache_path(other, tmp_path).write_text(path.read_text())
-    assert cm.load(other, tmp_path) is None
+    cost_cache.cache_path(other, tmp_path).write_text(path.read_text())
+    assert cost_cache.load(other, tmp_path) is None
     path.write_text("{not json")
-    assert cm.load(key, tmp_path) is None
+    assert cost_cache.load(key, tmp_path) is None
 
 
 def _pair(**fields):
@@ -181,13 +147,13 @@ def test_the_cost_cache_key_changes_with_each_field_it_names_and_nothing_else(
     fields, threads, machine, changed = KEY_CHANGES[change]
     before = _threads(1)
     try:
-        key = cm.cache_key(_pair(backend="native"))
-        cm.save(cm.from_measurements({(1, 1): 1.0}, {1: 0.1}, key), tmp_path)
+        key = cost_cache.cache_key(_pair(backend="native"))
+        cost_cache.save(cm.from_measurements({(1, 1): 1.0}, {1: 0.1}, key), tmp_path)
         if threads is not None:
             torch.set_num_threads(threads)
         if machine is not None:
-            monkeypatch.setattr(cm, "cpu_model", lambda: machine)
-        other = cm.cache_key(_pair(**{"backend": "native", **fields}))
+            monkeypatch.setattr(cost_cache, "cpu_model", lambda: machine)
+        other = cost_cache.cache_key(_pair(**{"backend": "native", **fields}))
     finally:
         torch.set_num_threads(before)
     assert (
@@ -196,8 +162,8 @@ def test_the_cost_cache_key_changes_with_each_field_it_names_and_nothing_else(
         == {"target", "draft", "dtype", "weights", "device", "torch_threads", "machine"}
     )
     assert {name for name in key if key[name] != other[name]} == changed
-    assert (cm.load(other, tmp_path) is None) == bool(changed)
-    assert cm.load(key, tmp_path) is not None
+    assert (cost_cache.load(other, tmp_path) is None) == bool(changed)
+    assert cost_cache.load(key, tmp_path) is not None
 
 
 def test_cache_key_names_the_kernel_quantized_weights_run_on(monkeypatch):
@@ -207,20 +173,20 @@ def test_cache_key_names_the_kernel_quantized_weights_run_on(monkeypatch):
 
     llm = SimpleNamespace(names=("t", "d"), dtype="int8", target=SimpleNamespace(device="cpu"))
     on_kernel = cpu_linear.runs_int8()  # smcspec's kernel runs int8 on this CPU
-    ours = cm.cache_key(llm)
+    ours = cost_cache.cache_key(llm)
     monkeypatch.setattr(cpu_linear, "matrix_engine", lambda: "another unit")
-    other_unit = cm.cache_key(llm)
+    other_unit = cost_cache.cache_key(llm)
     monkeypatch.undo()
     monkeypatch.setattr(cpu_linear, "build_key", lambda: "another build")
-    rebuilt = cm.cache_key(llm)
+    rebuilt = cost_cache.cache_key(llm)
     monkeypatch.setattr(cpu_linear.KERNEL, "get", lambda: None)
-    fallback = cm.cache_key(llm)
+    fallback = cost_cache.cache_key(llm)
     assert fallback["weights"] == "int8"
     if on_kernel:
         kinds = {ours["weights"], other_unit["weights"], rebuilt["weights"], fallback["weights"]}
         assert len(kinds) == 4
     llm.dtype = "float32"
-    assert cm.cache_key(llm)["weights"] == "float32"
+    assert cost_cache.cache_key(llm)["weights"] == "float32"
 
 
 def test_profile_measures_the_tiny_native_pair_once(
@@ -237,7 +203,7 @@ def test_profile_measures_the_tiny_native_pair_once(
     assert set(costs.draft_seen) == {1, 2}
     every = [*costs.target_seen.values(), *costs.draft_seen.values(), costs.target(8, 9)]
     assert all(math.isfinite(s) and s > 0 for s in every), every
-    assert costs.key == cm.cache_key(llm)
+    assert costs.key == cost_cache.cache_key(llm)
     # measured once: the second call reads the cache (timed anew, no two medians would agree)
     assert (
         probes.profile(llm, rows=(1,), max_draft_tokens=1, context=16, cache_dir=tmp_path) == costs

@@ -7,7 +7,7 @@ import pytest
 from smcspec import LLM
 from smcspec.config import ARConfig, AutoConfig, EngineLimits
 from smcspec.engine import costs as cm
-from smcspec.engine import pools
+from smcspec.engine import pools, timing
 from smcspec.kv.pages import OutOfPages
 
 PROMPT = [3, 4, 5]
@@ -80,5 +80,5 @@ def test_a_profile_out_of_pages_gives_its_pages_back(small):
     only when it finished (the pool left empty: the request after it failed mid-decode)."""
     with pytest.raises(OutOfPages):
         ids = [i % small.vocab_size for i in range(100)]
-        cm.time_shapes(small.target, ids, 4, [1], 1)
+        timing.time_shapes(small.target, ids, 4, [1], 1)
     assert small.target.pages.free_pages == 8

@@ -10,6 +10,7 @@ import pytest
 from smcspec.config import ARConfig, AutoConfig, MSDConfig, SamplingConfig, SDConfig, SMCConfig
 from smcspec.decoding.agreement import Tally
 from smcspec.decoding.auto import Outlook, RoundTime
+from smcspec.decoding.methods import Grid
 from smcspec.engine import LLM, tuning
 from smcspec.engine import costs as cm
 from smcspec.models.toy import perturbed_lm, random_lm
@@ -49,6 +50,55 @@ def outlook(
         not config.exact,
         measured or {},
     )
+
+
+def _flat(target_fixed, target_per_position, draft_fixed, draft_per_row) -> cm.StepCosts:
+    return cm.StepCosts(
+        target_fit=(target_fixed, target_per_position), draft_fit=(draft_fixed, draft_per_row)
+    )
+
+
+def _best(a, costs, exact=True, has_potential=False):
+    """The tuner's (method, config) at agreement a measured over many positions."""
+    chosen = tuning.Tuner.fixed(costs).choose(
+        outlook(a, config=AutoConfig(exact=exact), has_potential=has_potential)
+    )
+    return chosen.method, chosen.config
+
+
+@pytest.mark.parametrize("a", [0.2, 0.6, 0.95])
+def test_choose_takes_ar_when_a_draft_step_costs_a_target_pass(a):
+    costs = _flat(1.0, 0.0, 1.0, 0.0)
+    assert _best(a, costs) == ("ar", ARConfig())
+
+
+def test_choose_takes_sd_with_longer_drafts_as_acceptance_nears_one():
+    # a compute-bound target (a position adds a tenth of a one-token pass), a draft step at 5%
+    # of it per row: a second row costs as much as it brings
+    costs = _flat(1.0, 0.1, 0.0, 0.05)
+    chosen = [_best(a, costs) for a in (0.5, 0.7, 0.9, 0.99)]
+    assert all(method == "sd" for method, _ in chosen), chosen
+    ks = [config.draft_tokens for _, config in chosen]
+    assert ks == sorted(ks) and ks[0] < ks[-1], ks
+
+
+def test_choose_takes_msd_over_sd_when_acceptance_is_low_and_rows_are_nearly_free():
+    costs = _flat(1.0, 1e-4, 0.1, 1e-4)
+    method, config = _best(0.3, costs)
+    assert method == "msd" and config.particles > 1, (method, config)
+    assert cm.predict(method, config, 0.3, costs) > max(
+        cm.predict("sd", SDConfig(draft_tokens=k), 0.3, costs) for k in range(1, 9)
+    )
+
+
+def test_choose_takes_smc_only_when_allowed():
+    costs = _flat(1.0, 1e-4, 0.1, 1e-4)  # smc's K + 1 tokens a round win at a = 0.99
+    assert _best(0.99, costs, exact=True)[0] != "smc"
+    assert _best(0.99, costs, exact=False)[0] == "smc"
+    # a potential: smc whatever exact says, even where ar is fastest
+    expensive_draft = _flat(1.0, 0.0, 1.0, 0.0)
+    method, config = _best(0.9, expensive_draft, has_potential=True)
+    assert method == "smc" and isinstance(config, SMCConfig)
 
 
 def test_a_flat_device_drafts_deep_and_wide_and_a_steep_one_falls_back_to_ar():
@@ -205,7 +255,7 @@ def test_smc_chosen_part_way_pays_for_the_prefix_fed_again():
 
 def test_grid_for_doubles_n_and_counts_every_k():
     grid_for = tuning.grid_for
-    assert grid_for(AutoConfig(max_particles=4, max_draft_tokens=3)) == cm.Grid(
+    assert grid_for(AutoConfig(max_particles=4, max_draft_tokens=3)) == Grid(
         (1, 2, 3), (2, 4), (2, 4)
     )
     assert grid_for(AutoConfig(max_particles=8, max_draft_tokens=1)).msd_particles == (2, 4, 8)
@@ -216,9 +266,9 @@ def test_grid_for_doubles_n_and_counts_every_k():
 @pytest.mark.parametrize(
     "given, grid",
     [
-        ({"particles": 8}, cm.Grid((1, 2, 3), (8,), (8,), ar=False, sd=False)),
-        ({"draft_tokens": 2}, cm.Grid((2,), (2, 4), (2, 4), ar=False)),
-        ({"particles": 3, "draft_tokens": 5}, cm.Grid((5,), (3,), (3,), ar=False, sd=False)),
+        ({"particles": 8}, Grid((1, 2, 3), (8,), (8,), ar=False, sd=False)),
+        ({"draft_tokens": 2}, Grid((2,), (2, 4), (2, 4), ar=False)),
+        ({"particles": 3, "draft_tokens": 5}, Grid((5,), (3,), (3,), ar=False, sd=False)),
     ],
 )
 def test_grid_for_keeps_only_the_n_and_k_a_request_gives(given, grid):

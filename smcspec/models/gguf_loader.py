@@ -35,6 +35,7 @@ _LAYER = {
     "attn_v.weight": "self_attn.v_proj.weight",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",  # phi3: q, k and v in one matrix
     "attn_q_norm.weight": "self_attn.q_norm.weight",  # qwen3
     "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -42,7 +43,9 @@ _LAYER = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
+# phi3's ffn_up holds gate and up, in that order (transformers' gate_up_proj)
+_FUSED_UP = {"phi3": ("mlp.up_proj.weight", "mlp.gate_up_proj.weight")}
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -142,7 +145,9 @@ class Header:
         arch = str(self.field("general.architecture"))
         if arch not in ARCHITECTURES:
             raise ValueError(
-                f"GGUF architecture {arch!r} is not supported (supported: {ARCHITECTURES})"
+                f"GGUF architecture {arch!r} is not supported by the native engine's GGUF "
+                f"reader (it reads {', '.join(ARCHITECTURES)}); a safetensors folder of the "
+                "model may run"
             )
         return arch
 
@@ -202,8 +207,11 @@ def config(path: str | Path) -> dict:
         "max_position_embeddings": int(reader.field(f"{arch}.context_length", 4096)),
     }
     rotated = int(reader.field(f"{arch}.rope.dimension_count", head_dim))
-    if rotated != head_dim:  # for `rope.from_hf` to refuse
+    if rotated != head_dim:  # Phi-4-mini's partial rotary factor (`rope.from_hf` checks it)
         cfg["partial_rotary_factor"] = rotated / head_dim
+    if arch == "phi3":
+        cfg.update(_phi3(reader, path))
+        return cfg
     scaling = rope_scaling(reader, arch)
     if scaling:
         cfg["rope_scaling"] = scaling
@@ -212,6 +220,31 @@ def config(path: str | Path) -> dict:
         stored = _Stored(t.qtype, t.shape, t.offset, t.nbytes, 0)
         cfg["rope_freq_factors"] = _dequantize(Path(path), stored).ravel().tolist()
     return cfg
+
+
+def _phi3(reader: Header, path: str | Path) -> dict:
+    """A phi3 file's sliding window (0: none, llama.cpp's mark of Phi-4) and longrope: its
+    factor tensors, original context and attention factor, as transformers' config names them."""
+    out: dict = {
+        "sliding_window": int(reader.field("phi3.attention.sliding_window", 0)) or None,
+        "original_max_position_embeddings": int(
+            reader.field("phi3.rope.scaling.original_context_length", 0)
+        )
+        or None,
+    }
+    if "rope_factors_short.weight" not in reader.tensors:
+        return out
+    factors = {}
+    for kind in ("short", "long"):
+        t = reader.tensors[f"rope_factors_{kind}.weight"]
+        stored = _Stored(t.qtype, t.shape, t.offset, t.nbytes, 0)
+        factors[f"{kind}_factor"] = _dequantize(Path(path), stored).ravel().tolist()
+    out["rope_scaling"] = {
+        "rope_type": "longrope",
+        **factors,
+        "attention_factor": float(reader.field("phi3.rope.scaling.attn_factor", 1.0)),
+    }
+    return out
 
 
 def weights(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFWeights:
@@ -256,6 +289,9 @@ class GGUFWeights:
             name = hf_name(t.name)
             if name is None:
                 continue
+            up, fused = _FUSED_UP.get(arch, ("", ""))
+            if up and name.endswith(up):
+                name = name.removesuffix(up) + fused
             permute = arch in ("llama", "mistral")  # llama.cpp's converter permutes their q/k
             rows = next((n for s, n in permuted.items() if permute and name.endswith(s)), 0)
             self._stored[name] = _Stored(t.qtype, t.shape, t.offset, t.nbytes, rows)
@@ -307,7 +343,7 @@ def _dequantize(path: Path, stored: _Stored) -> np.ndarray:
 def has_rope_scaling(path: str | Path) -> bool:
     """Whether a GGUF file scales RoPE, by metadata or a `rope_freqs` tensor."""
     reader = Header.read(path)
-    if "rope_freqs.weight" in reader.tensors:
+    if "rope_freqs.weight" in reader.tensors or "rope_factors_short.weight" in reader.tensors:
         return True
     try:
         return bool(rope_scaling(reader, reader.architecture()))

@@ -37,7 +37,7 @@ from smcspec.models.llama_weights import (
 from smcspec.models.rope_table import RopeTable
 from smcspec.sampling import to_device
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3")
 QUANTIZED = ("int8", "int4")  # CPU weight formats, each with its weight cache
 # Feeds longer than this run as successive passes of at most this many tokens per sequence, so
 # no pass builds scores [heads, T, L] over a whole long prompt: SDPA takes its math kernel
@@ -84,7 +84,8 @@ class LlamaModel:
         if dtype in QUANTIZED and self.device.type != "cpu":
             raise ValueError(f"{dtype} weights run on the CPU only; use bfloat16 on CUDA")
         self.attention = choose_attention(attention, self.device)
-        self.fused = self.device.type != "cpu"
+        # the fused kernels rotate whole heads: a partial rotary factor runs the torch ops
+        self.fused = self.device.type != "cpu" and config.rope.dim == config.head_dim
         self._gather = GatherAttention()
         self.act_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
         build = WeightBuilder(config, dtype, self.device, self.act_dtype, quantized)
@@ -97,7 +98,7 @@ class LlamaModel:
             self._gather = GatherAttention(kernel.attend)
             if isinstance(self.attention, GatherAttention):
                 self.attention = self._gather
-        self.rope = RopeTable(config.rope, self.act_dtype, self.device)
+        self.rope = RopeTable(config.rope, self.act_dtype, self.device, config.position_limit)
         self._sinks: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def _on_kernel(self) -> bool:
@@ -304,7 +305,7 @@ class LlamaModel:
             qkv = layer.qkv.banded(_rms(x, layer.input_norm, c.rms_eps))
             qkv = _head_norms(layer, qkv.view(1, nh + 2 * nkv, d), nh, nkv, c.rms_eps)
             _, k, v = qkv.split([nh, nkv, nkv], dim=1)  # k, v [1, nkv, d]
-            keys.append(_rotate(k, cos, sin)[0])
+            keys.append(_rope(k, cos, sin)[0])
             values.append(v.view(nkv, d))
             attended = v.view(nkv, 1, d).expand(nkv, nh // nkv, d).reshape(1, nh * d)
             x = x + layer.o.banded(attended)
@@ -330,11 +331,20 @@ class LlamaModel:
         if self.fused:
             q = fused.rope_write(qkv, cos, sin, kv.k[index], kv.v[index], batch.slots, nh, nkv)
         else:
-            qk = _rotate(qkv[:, : nh + nkv], cos, sin)  # q and k heads rotated together
+            qk = _rope(qkv[:, : nh + nkv], cos, sin)  # q and k heads rotated together
             q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]
             kv.write(index, batch.slots, k, v)
         out = (batch.attention or self.attention)(q, kv, index, batch)  # [total, nh, d]
         return layer.o(out.reshape(-1, nh * d))
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on x [total, heads, d] over the first cos.shape[-1] of each head's dimensions (all
+    of them but for a partial rotary factor, Phi-4-mini's 0.75); the rest pass unrotated."""
+    turned = cos.shape[-1]
+    if turned == x.shape[-1]:
+        return _rotate(x, cos, sin)
+    return torch.cat([_rotate(x[..., :turned], cos, sin), x[..., turned:]], dim=-1)
 
 
 def _head_norms(layer: Layer, qkv: torch.Tensor, nh: int, nkv: int, eps: float) -> torch.Tensor:

@@ -25,6 +25,26 @@ class LlamaConfig:
     tie_embeddings: bool
     max_positions: int = 4096
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head's d of q and k, before RoPE
+    window: int = 0  # Phi-3: sliding-window attention over this many keys (0: none)
+
+    @property
+    def context_length(self) -> int:
+        """The longest sequence the native engine runs: max_position_embeddings, or less where
+        `position_limit` bounds it."""
+        limit = self.position_limit
+        return self.max_positions if limit is None else min(self.max_positions, limit[0])
+
+    @property
+    def position_limit(self) -> tuple[int, str] | None:
+        """(the positions the native engine runs this model to, why), None for no bound: up to
+        a sliding window attention is full (a query sees every key), and longrope's short
+        factors hold up to the original context (`rope`)."""
+        bounds = []
+        if self.window:
+            bounds.append((self.window, "full attention up to its sliding window"))
+        if self.rope.limit:
+            bounds.append((self.rope.limit, "longrope's short factors up to its original context"))
+        return min(bounds, default=None)
 
     @classmethod
     def from_hf(cls, cfg: dict) -> LlamaConfig:
@@ -37,6 +57,13 @@ class LlamaConfig:
                 "this Qwen3 config sets use_sliding_window: the native engine runs full "
                 "attention only; use --backend hf"
             )
+        if cfg.get("mlp_bias"):
+            raise ValueError(
+                "this config sets mlp_bias: the native engine's MLP has no biases; use "
+                "--backend hf"
+            )
+        # Phi-3: a query sees the window's last keys; sequences up to it are full attention
+        window = int(cfg.get("sliding_window") or 0) if kind == "phi3" else 0
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -51,6 +78,7 @@ class LlamaConfig:
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_positions=int(cfg.get("max_position_embeddings") or 4096),
             qk_norm=kind == "qwen3",
+            window=window,
         )
 
     @classmethod

@@ -81,6 +81,10 @@ class WeightBuilder:
         qkv = [a + f"{x}_proj.weight" for x in "qkv"]
         qkv_bias = [a + f"{x}_proj.bias" for x in "qkv"] if self.config.qkv_bias else []
         gate_up = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+        if a + "qkv_proj.weight" in w:  # Phi-3 stores them fused, in the same order
+            qkv = [a + "qkv_proj.weight"]
+        if p + "mlp.gate_up_proj.weight" in w:
+            gate_up = [p + "mlp.gate_up_proj.weight"]
         norms = {}
         if self.config.qk_norm:
             norms = {f"{x}_norm": self.tensor(w.pop(a + f"{x}_norm.weight")) for x in "qk"}

@@ -14,6 +14,15 @@ trained on `original_max_positions` tokens is run on longer contexts by lowering
   weight on the kept one ramping linearly from 1 to 0 between the dimensions that turn beta_fast
   and beta_slow times over the original context; cos and sin are multiplied by an attention
   factor (0.1 ln(factor) + 1 unless set).
+- `longrope` (Phi-3, Phi-4-mini; Ding et al. 2024): inv_freq divided by searched per-dimension
+  factors, `short_factor` for sequences up to the original context and `long_factor` past it,
+  cos and sin times sqrt(1 + ln(factor) / ln(original)). transformers switches to the long
+  factors for a whole sequence once it outgrows the original context, rotating its cached keys
+  anew; a paged cache keeps the rotation a key was written with, so the native engine runs the
+  short factors and refuses positions past the original context (`limit`).
+
+A partial rotary factor (Phi-4-mini's 0.75) turns only the first `dim` of a head's dimensions;
+the rest pass unrotated.
 
 The formulas follow transformers' `modeling_rope_utils` and are tested against it. The config
 keys are read as transformers 4 (`rope_scaling`, `rope_theta`) and 5 (`rope_parameters`) store
@@ -29,13 +38,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-SCALINGS = ("default", "linear", "llama3", "dynamic", "yarn")
+SCALINGS = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
 
 
 @dataclass(frozen=True)
 class Rope:
-    """The RoPE of one model: `dim` rotated dimensions per head, base `theta`, a scaling from
-    SCALINGS and the fields that scaling reads."""
+    """The RoPE of one model: `dim` rotated dimensions per head (all of them unless a partial
+    rotary factor), base `theta`, a scaling from SCALINGS and the fields that scaling reads;
+    `limit`: the positions it holds (0: any)."""
 
     theta: float
     dim: int
@@ -50,29 +60,35 @@ class Rope:
     truncate: bool = True  # yarn: widen the ramp's ends to whole dimensions
     attention_factor: float = 1.0  # yarn: multiplies cos and sin, so attention logits by its square
     freq_factors: tuple[float, ...] | None = field(default=None, repr=False)  # [dim/2], GGUF
+    limit: int = 0  # longrope: the original context, past which its short factors do not hold
 
 
 def from_hf(cfg: dict, head_dim: int) -> Rope:
     """The Rope of a Hugging Face style config dict. A scaling outside SCALINGS (or a partial
-    rotary factor) raises ValueError naming it, so a model is refused before its weights load."""
+    rotary factor that leaves an odd number of dimensions) raises ValueError naming it, so a
+    model is refused before its weights load."""
     params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     kind = params.get("rope_type") or params.get("type") or "default"
+    if kind == "su" or (kind == "yarn" and cfg.get("model_type") == "phi3"):
+        kind = "longrope"  # as transformers' Phi3Config reads Phi-3's older names
     if kind not in SCALINGS:
         raise ValueError(
             f"rope scaling {kind!r} is not supported by the native engine "
             f"(supported: {', '.join(SCALINGS)})"
         )
     partial = params.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0
-    if partial != 1.0:
+    dim = int(head_dim * partial)
+    if not 0 < dim <= head_dim or dim % 2:
         raise ValueError(
-            f"partial_rotary_factor {partial} is not supported by the native engine (only 1.0)"
+            f"partial_rotary_factor {partial} turns {dim} of {head_dim} dimensions: the native "
+            "engine needs an even number of them, at least 2"
         )
     factors = cfg.get("rope_freq_factors")
-    if factors is not None and len(factors) != head_dim // 2:
-        raise ValueError(f"rope_freq_factors has {len(factors)} values, expected {head_dim // 2}")
+    if factors is not None and len(factors) != dim // 2:
+        raise ValueError(f"rope_freq_factors has {len(factors)} values, expected {dim // 2}")
     base = Rope(
         theta=float(params.get("rope_theta") or cfg.get("rope_theta") or 10000.0),
-        dim=head_dim,
+        dim=dim,
         freq_factors=None if factors is None else tuple(float(f) for f in factors),
     )
     if kind == "default":
@@ -88,6 +104,8 @@ def from_hf(cfg: dict, head_dim: int) -> Rope:
         or params.get("original_max_position_embeddings")
         or max_positions
     )
+    if kind == "longrope":
+        return _longrope_from_hf(base, params, max_positions, original)
     if kind == "llama3":
         return _replace(
             base,
@@ -118,6 +136,28 @@ def _yarn_from_hf(base: Rope, params: dict, max_positions: int, original: int) -
         beta_slow=float(params.get("beta_slow") or 1.0),
         truncate=bool(params.get("truncate", True)),
         attention_factor=float(attention),
+    )
+
+
+def _longrope_from_hf(base: Rope, params: dict, max_positions: int, original: int) -> Rope:
+    short = params.get("short_factor")
+    if not isinstance(short, list | tuple) or len(short) != base.dim // 2:
+        raise ValueError(
+            f"rope scaling 'longrope' needs short_factor with {base.dim // 2} values, got {short!r}"
+        )
+    # as transformers: the factor given, else the context's stretch (Phi-3's way)
+    factor = float(params.get("factor") or max_positions / original)
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return dataclasses.replace(
+        base,
+        scaling="longrope",
+        factor=factor,
+        original_max_positions=original,
+        attention_factor=float(attention),
+        freq_factors=tuple(float(f) for f in short),
+        limit=original,
     )
 
 

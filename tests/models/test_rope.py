@@ -129,12 +129,15 @@ def test_config_forms_and_errors():
     assert rope.from_hf(cfg, 8).original_max_positions == 32
     with pytest.raises(ValueError, match="'llama3' needs a number for low_freq_factor"):
         rope.from_hf({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, 8)
-    with pytest.raises(ValueError, match=r"partial_rotary_factor 0\.5"):
-        rope.from_hf({**base, "partial_rotary_factor": 0.5}, 8)
-    for kind in ("longrope", "su", "mrope", "made-up"):
+    with pytest.raises(ValueError, match=r"partial_rotary_factor 0\.625 turns 5 of 8"):
+        rope.from_hf({**base, "partial_rotary_factor": 0.625}, 8)
+    assert rope.from_hf({**base, "partial_rotary_factor": 0.5}, 8).dim == 4
+    for kind in ("mrope", "made-up"):
         with pytest.raises(ValueError, match=f"rope scaling '{kind}' is not supported") as err:
             rope.from_hf({**base, "rope_scaling": {"rope_type": kind, "factor": 2.0}}, 8)
-        assert "supported: default, linear, llama3, dynamic, yarn" in str(err.value)
+        assert "supported: default, linear, llama3, dynamic, yarn, longrope" in str(err.value)
+    with pytest.raises(ValueError, match="'longrope' needs short_factor with 4 values"):
+        rope.from_hf({**base, "rope_scaling": {"rope_type": "su", "long_factor": [1.0] * 4}}, 8)
 
 
 # Native logits against transformers on tiny models ------------------------------------------
@@ -371,7 +374,7 @@ def test_transformers_gguf_loader_drops_rope_freqs(tmp_path):
 @pytest.mark.parametrize(
     ("keys", "match"),
     [
-        ({"rope.scaling.type": "longrope"}, "rope scaling 'longrope' is not supported"),
+        ({"rope.scaling.type": "mrope"}, "rope scaling 'mrope' is not supported"),
         (
             {"rope.scaling.type": "yarn", "rope.scaling.yarn_log_multiplier": 0.1},
             "llama.rope.scaling.yarn_log_multiplier",
@@ -411,55 +414,61 @@ def test_hf_backend_refuses_a_scaled_gguf_only(tmp_path):
 
 # Refusal and the auto backend on folders -----------------------------------------------------
 
-LONGROPE = {
-    "rope_type": "longrope",
-    "short_factor": [1.0] * 4,
-    "long_factor": [2.0] * 4,
-    "original_max_position_embeddings": 32,
-}
+def _tiny_folders(tmp_path, name: str, config_change) -> list[str]:
+    """Two tiny llama folders (tokenizer included), `config_change(config dict)` applied to
+    their config.json and the model saved again from it (weights of the changed shapes)."""
+    from transformers import LlamaConfig as HFLlamaConfig
+    from transformers import LlamaForCausalLM
 
-
-@pytest.fixture()
-def longrope_folders(tmp_path):
-    """Two tiny llama folders (tokenizer included) whose config names longrope."""
     from tests.conftest import save_tiny_model
 
     folders = []
     for seed in (0, 1):
-        folder = tmp_path / f"longrope-{seed}"
+        folder = tmp_path / f"{name}-{seed}"
         save_tiny_model(folder, seed=seed, arch="llama")
         config = json.loads((folder / "config.json").read_text())
-        config.pop("rope_parameters", None)
-        config["rope_scaling"] = LONGROPE
-        (folder / "config.json").write_text(json.dumps(config))
+        config_change(config)
+        torch.manual_seed(seed)
+        LlamaForCausalLM(HFLlamaConfig(**config)).save_pretrained(folder)
         folders.append(str(folder))
     return folders
 
 
-def test_unsupported_scaling_is_refused_before_the_weights(longrope_folders, monkeypatch):
+def test_unsupported_scaling_is_refused_before_the_weights(tmp_path, monkeypatch):
     import safetensors.torch
+
+    from tests.conftest import save_tiny_model
+
+    folder = tmp_path / "made-up"
+    save_tiny_model(folder, arch="llama")
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("rope_parameters", None)
+    config["rope_scaling"] = {"rope_type": "made-up", "factor": 2.0}
+    (folder / "config.json").write_text(json.dumps(config))
 
     def no_weights(*args, **kwargs):
         raise AssertionError("weights read before the config was checked")
 
     monkeypatch.setattr(safetensors.torch, "load_file", no_weights)
-    with pytest.raises(ValueError, match="rope scaling 'longrope' is not supported") as err:
-        LlamaModel.from_folder(longrope_folders[0])
-    assert "supported: default, linear, llama3, dynamic, yarn" in str(err.value)
-    with pytest.raises(ValueError, match=r"'longrope'.*use --backend hf"):
-        loader.load_native(longrope_folders[0], "float32", "cpu")
+    with pytest.raises(ValueError, match="rope scaling 'made-up' is not supported") as err:
+        LlamaModel.from_folder(folder)
+    assert "supported: default, linear, llama3, dynamic, yarn, longrope" in str(err.value)
+    with pytest.raises(ValueError, match=r"'made-up'.*use --backend hf"):
+        loader.load_native(str(folder), "float32", "cpu")
 
 
-def test_auto_falls_back_to_transformers_explicit_native_refuses(longrope_folders):
+def test_auto_falls_back_to_transformers_explicit_native_refuses(tmp_path):
+    """A folder transformers runs and the native engine does not (a Llama with biases in its
+    MLP, `mlp_bias`): auto takes transformers, native refuses naming the setting."""
     from smcspec import LLM
 
-    target, draft = longrope_folders
+    target, draft = _tiny_folders(tmp_path, "mlp-bias", lambda c: c.update(mlp_bias=True))
     assert loader.choose_backend(target, "auto", "cpu", "int8") == "hf"
     assert loader.choose_backend(target, "native", "cpu", "int8") == "native"  # asked for
     llm = LLM(target, draft, backend="auto", dtype="float32")
     assert llm.backend == "hf"
-    assert llm.target.model.config.rope_parameters["rope_type"] == "longrope"
-    with pytest.raises(ValueError, match="'longrope'"):
+    assert llm.target.model.config.mlp_bias
+    with pytest.raises(ValueError, match="mlp_bias"):
         LLM(target, draft, backend="native", dtype="float32")
 
 

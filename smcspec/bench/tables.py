@@ -341,6 +341,10 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "cpu/engine-kv": lambda root: engine_kv(root, "cpu/engine-int8"),
     "cpu/llama-cpp": lambda root: against_llama_cpp(root, "cpu/llama-cpp"),
     "cpu/llama-cpp-int4": lambda root: against_llama_cpp(root, "cpu/llama-cpp-int4"),
+    "cpu/llama-cpp-amx": lambda root: against_llama_cpp(root, "cpu/llama-cpp-amx/humaneval"),
+    "cpu/llama-cpp-amx-mt-bench": lambda root: against_llama_cpp(
+        root, "cpu/llama-cpp-amx/mt-bench"
+    ),
     "cpu/sweep-int8": lambda root: speed(root, "cpu/sweep-int8"),
     "cpu/prompt-sets": lambda root: by_prompt_set(root, "cpu/prompt-sets"),
     "cpu/draft-temperature": lambda root: speed(root, "cpu/draft-temperature"),

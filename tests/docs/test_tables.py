@@ -25,7 +25,7 @@ def test_page_tables_match_the_committed_runs(page: Path) -> None:
 def test_the_headline_tables_are_marked() -> None:
     readme = (ROOT / "README.md").read_text()
     names = {m["name"] for m in tables.MARKER.finditer(readme)}
-    assert {"cpu/speed", "cpu/llama-cpp-int4"} <= names
+    assert {"cpu/speed", "cpu/llama-cpp-amx"} <= names
     used = {m["name"] for page in PAGES for m in tables.MARKER.finditer(page.read_text())}
     assert used == set(tables.TABLES), "every table is quoted somewhere, and only known ones"
 

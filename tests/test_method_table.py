@@ -115,3 +115,21 @@ def test_http_settings_are_checked_once_per_request(tiny_llm, monkeypatch):
         bad = client.post("/v1/completions", json=body | {"particles": 0})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "particles"
     assert made == [0]
+
+
+def test_auto_weighs_what_the_rows_grid_and_exact_columns_give():
+    """candidates: the rows' grids, exact rows first (a tie goes to the simpler), the
+    approximate ones only where not exact, and only the conditional ones with a potential.
+    Fails on: smc weighed by an exact auto, ar weighed with a potential (it applies phi token
+    by token, another law), msd's N read from smc's list."""
+    from smcspec.config import ARConfig, MSDConfig
+
+    grid = methods.Grid(draft_tokens=(1, 2), msd_particles=(4,), smc_particles=(2,))
+    sd = [("sd", SDConfig(draft_tokens=k)) for k in (1, 2)]
+    msd = [("msd", MSDConfig(particles=4, draft_tokens=k)) for k in (1, 2)]
+    smc = [("smc", SMCConfig(particles=2, draft_tokens=k)) for k in (1, 2)]
+    assert methods.candidates(grid) == [("ar", ARConfig()), *sd, *msd]
+    assert methods.candidates(grid, exact=False) == [("ar", ARConfig()), *sd, *msd, *smc]
+    assert methods.candidates(grid, has_potential=True) == smc
+    given_n = methods.Grid((2,), msd_particles=(4,), smc_particles=(4,), ar=False, sd=False)
+    assert methods.candidates(given_n) == [("msd", MSDConfig(particles=4, draft_tokens=2))]

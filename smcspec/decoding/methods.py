@@ -61,6 +61,11 @@ class Grid:
     sd: bool = True
 
 
+def _by_n_and_k(config: type, ns: tuple[int, ...], ks: tuple[int, ...]) -> list[Any]:
+    """A particle method's settings at every N of `ns` and K of `ks`, N outermost."""
+    return [config(particles=n, draft_tokens=k) for n in ns for k in ks]
+
+
 @dataclass(frozen=True)
 class Method:
     """One decoding method. `kv_rows(config)`: the sequences a request keeps in the target's and
@@ -139,11 +144,7 @@ TABLE: dict[str, Method] = {
             potentials=True,
             summary="SMC speculative decoding: N particles of K draft tokens, weighted, resampled",
             exact=False,
-            grid=lambda g: [
-                SMCConfig(particles=n, draft_tokens=k)
-                for n in g.smc_particles
-                for k in g.draft_tokens
-            ],
+            grid=lambda g: _by_n_and_k(SMCConfig, g.smc_particles, g.draft_tokens),
             conditional=True,
         ),
         Method(
@@ -161,11 +162,7 @@ TABLE: dict[str, Method] = {
             summary="multi-draft speculative decoding: N drafts of K tokens a round, exact",
             exact=True,
             tokens_exact=False,
-            grid=lambda g: [
-                MSDConfig(particles=n, draft_tokens=k)
-                for n in g.msd_particles
-                for k in g.draft_tokens
-            ],
+            grid=lambda g: _by_n_and_k(MSDConfig, g.msd_particles, g.draft_tokens),
         ),
         Method(
             "auto",

@@ -44,16 +44,18 @@ _LAYER = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
-# phi3's ffn_up holds gate and up, in that order (transformers' gate_up_proj)
-_FUSED_UP = {"phi3": ("mlp.up_proj.weight", "mlp.gate_up_proj.weight")}
+# Layer tensors an architecture names otherwise: phi3's ffn_up holds gate and up, in that order
+# (transformers' gate_up_proj)
+_LAYER_BY_ARCH = {"phi3": {"ffn_up.weight": "mlp.gate_up_proj.weight"}}
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str) -> str | None:
     if gguf_name in _GLOBAL:
         return _GLOBAL[gguf_name]
     parts = gguf_name.split(".", 2)
-    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER:
-        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}"
+    layer = _LAYER | _LAYER_BY_ARCH.get(arch, {})
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in layer:
+        return f"model.layers.{parts[1]}.{layer[parts[2]]}"
     return None
 
 
@@ -216,10 +218,16 @@ def config(path: str | Path) -> dict:
     if scaling:
         cfg["rope_scaling"] = scaling
     if "rope_freqs.weight" in tensors:
-        t = tensors["rope_freqs.weight"]
-        stored = _Stored(t.qtype, t.shape, t.offset, t.nbytes, 0)
-        cfg["rope_freq_factors"] = _dequantize(Path(path), stored).ravel().tolist()
+        cfg["rope_freq_factors"] = _values(reader, path, "rope_freqs.weight")
     return cfg
+
+
+def _values(reader: Header, path: str | Path, name: str) -> list[float]:
+    """A small tensor of the file (RoPE factors) as a flat list of floats."""
+    t = reader.tensors[name]
+    return (
+        _dequantize(Path(path), _Stored(t.qtype, t.shape, t.offset, t.nbytes, 0)).ravel().tolist()
+    )
 
 
 def _phi3(reader: Header, path: str | Path) -> dict:
@@ -234,14 +242,12 @@ def _phi3(reader: Header, path: str | Path) -> dict:
     }
     if "rope_factors_short.weight" not in reader.tensors:
         return out
-    factors = {}
-    for kind in ("short", "long"):
-        t = reader.tensors[f"rope_factors_{kind}.weight"]
-        stored = _Stored(t.qtype, t.shape, t.offset, t.nbytes, 0)
-        factors[f"{kind}_factor"] = _dequantize(Path(path), stored).ravel().tolist()
     out["rope_scaling"] = {
         "rope_type": "longrope",
-        **factors,
+        **{
+            f"{k}_factor": _values(reader, path, f"rope_factors_{k}.weight")
+            for k in ("short", "long")
+        },
         "attention_factor": float(reader.field("phi3.rope.scaling.attn_factor", 1.0)),
     }
     return out
@@ -286,12 +292,9 @@ class GGUFWeights:
         self.path, self.dtype = Path(path), dtype
         self._stored: dict[str, _Stored] = {}
         for t in reader.tensors.values():
-            name = hf_name(t.name)
+            name = hf_name(t.name, arch)
             if name is None:
                 continue
-            up, fused = _FUSED_UP.get(arch, ("", ""))
-            if up and name.endswith(up):
-                name = name.removesuffix(up) + fused
             permute = arch in ("llama", "mistral")  # llama.cpp's converter permutes their q/k
             rows = next((n for s, n in permuted.items() if permute and name.endswith(s)), 0)
             self._stored[name] = _Stored(t.qtype, t.shape, t.offset, t.nbytes, rows)

@@ -59,8 +59,7 @@ class LlamaConfig:
             )
         if cfg.get("mlp_bias"):
             raise ValueError(
-                "this config sets mlp_bias: the native engine's MLP has no biases; use "
-                "--backend hf"
+                "this config sets mlp_bias: the native engine's MLP has no biases; use --backend hf"
             )
         # Phi-3: a query sees the window's last keys; sequences up to it are full attention
         window = int(cfg.get("sliding_window") or 0) if kind == "phi3" else 0

@@ -44,8 +44,7 @@ SCALINGS = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
 @dataclass(frozen=True)
 class Rope:
     """The RoPE of one model: `dim` rotated dimensions per head (all of them unless a partial
-    rotary factor), base `theta`, a scaling from SCALINGS and the fields that scaling reads;
-    `limit`: the positions it holds (0: any)."""
+    rotary factor), base `theta`, a scaling from SCALINGS and the fields that scaling reads."""
 
     theta: float
     dim: int
@@ -60,7 +59,12 @@ class Rope:
     truncate: bool = True  # yarn: widen the ramp's ends to whole dimensions
     attention_factor: float = 1.0  # yarn: multiplies cos and sin, so attention logits by its square
     freq_factors: tuple[float, ...] | None = field(default=None, repr=False)  # [dim/2], GGUF
-    limit: int = 0  # longrope: the original context, past which its short factors do not hold
+
+    @property
+    def limit(self) -> int:
+        """The positions it holds (0: any): longrope's short factors up to the original context,
+        past which transformers would switch to the long ones."""
+        return self.original_max_positions if self.scaling == "longrope" else 0
 
 
 def from_hf(cfg: dict, head_dim: int) -> Rope:
@@ -157,7 +161,6 @@ def _longrope_from_hf(base: Rope, params: dict, max_positions: int, original: in
         original_max_positions=original,
         attention_factor=float(attention),
         freq_factors=tuple(float(f) for f in short),
-        limit=original,
     )
 
 

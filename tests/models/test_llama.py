@@ -111,18 +111,20 @@ def test_decoder_view_matches_transformers_through_resampling(pair):
     assert mine.kv.allocator.used_pages == 0
 
 
-def write_gguf(path, hf, quant=None, arch="qwen2", extra=None):
+def write_gguf(path, hf, quant=None, arch="qwen2", extra=None, names=None):
     """The tiny model as a GGUF file (F32, or Q8_0 for the big matrices). For llama, q/k rows
     are permuted the way llama.cpp's converter does. `extra(writer)` may add metadata and
-    tensors (RoPE scaling)."""
+    tensors (RoPE scaling); `names` (state dict name -> GGUF name) replaces the loader's own
+    mapping."""
     import gguf
     import numpy as np
 
     from smcspec.models.gguf_loader import _GLOBAL, _LAYER
 
-    names = {v: k for k, v in _GLOBAL.items()}
-    for i in range(hf.config.num_hidden_layers):
-        names.update({f"model.layers.{i}.{v}": f"blk.{i}.{k}" for k, v in _LAYER.items()})
+    if names is None:
+        names = {v: k for k, v in _GLOBAL.items()}
+        for i in range(hf.config.num_hidden_layers):
+            names.update({f"model.layers.{i}.{v}": f"blk.{i}.{k}" for k, v in _LAYER.items()})
     w = gguf.GGUFWriter(str(path), arch)
     c = hf.config
     w.add_context_length(c.max_position_embeddings)

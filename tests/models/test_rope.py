@@ -414,6 +414,7 @@ def test_hf_backend_refuses_a_scaled_gguf_only(tmp_path):
 
 # Refusal and the auto backend on folders -----------------------------------------------------
 
+
 def _tiny_folders(tmp_path, name: str, config_change) -> list[str]:
     """Two tiny llama folders (tokenizer included), `config_change(config dict)` applied to
     their config.json and the model saved again from it (weights of the changed shapes)."""

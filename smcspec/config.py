@@ -366,14 +366,22 @@ class SMCConfig:
 @dataclass(frozen=True)
 class MSDConfig:
     """Exact multi-draft speculative decoding: N independent drafts of K tokens per round,
-    verified as a token tree (SpecInfer's multi-round speculative sampling). N = 1 is sd."""
+    verified as a token tree (SpecInfer's multi-round speculative sampling). N = 1 is sd.
+    verify: "token" walks the tree token by token; "block" block-verifies one draft at a time
+    and tests the others where it stops (`decoding.msd_block`)."""
 
     particles: int = MSD_PARTICLES
     draft_tokens: int = MSD_DRAFT_TOKENS
+    verify: str = SD_VERIFY
 
     def __post_init__(self) -> None:
         _require_count(self, "particles", "particles (N)")
         _require_count(self, "draft_tokens", "draft_tokens (K)")
+        _require(
+            self.verify in VERIFY_RULES,
+            f"verify must be one of {', '.join(VERIFY_RULES)}, got {self.verify!r}",
+            "verify",
+        )
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ METHOD_NAMES = (
     "sd-lookup-draft",
     "smc",
     "msd",
+    "msd-block",
     "auto",
     "auto-approx",
     "hf",
@@ -47,11 +48,21 @@ OURS = {
     **dict.fromkeys(SD_VARIANTS, "sd"),
     "smc": "smc",
     "msd": "msd",
+    "msd-block": "msd",
     "auto": "auto",
     "auto-approx": "auto",
 }
 # the methods that draft, and so run at every draft temperature asked for
-DRAFTING = ("sd", "sd-block", "sd-lookup-draft", "smc", "msd", "auto", "auto-approx")
+DRAFTING = (
+    "sd",
+    "sd-block",
+    "sd-lookup-draft",
+    "smc",
+    "msd",
+    "msd-block",
+    "auto",
+    "auto-approx",
+)
 
 
 @dataclass(frozen=True)
@@ -77,8 +88,10 @@ class Contender:
                 label += f" ESS<{threshold:g}N"
             if "power_alpha" in s:
                 label += f" power={s['power_alpha']:g}"
-        elif self.method == "msd":
+        elif self.method in ("msd", "msd-block"):
             label = f"msd N={s['particles']} K={s['draft_tokens']}"
+            if "verify" in s:
+                label += f" {s['verify']}"
         elif self.method == "auto-approx":
             label = "auto approx"
         elif self.method == "llama-cpp":
@@ -142,8 +155,8 @@ def build_grid(
                 out.append(Contender(method, settings))
         elif method == "smc":
             out += _smc_grid(smc_n, smc_k, resample_threshold, smc_power or [])
-        elif method == "msd":
-            out += _msd_grid(msd_n or [2, 4], msd_k or sd_k)
+        elif method in ("msd", "msd-block"):  # msd-block: msd with verify="block"
+            out += _msd_grid(method, msd_n or [2, 4], msd_k or sd_k)
         elif method == "auto-approx":
             out.append(Contender(method, {"approximate": True}))
         elif method == "llama-cpp":
@@ -171,13 +184,14 @@ def _smc_grid(smc_n, smc_k, resample_threshold, smc_power) -> list[Contender]:
     return out
 
 
-def _msd_grid(msd_n: list[int], msd_k: list[int]) -> list[Contender]:
+def _msd_grid(method: str, msd_n: list[int], msd_k: list[int]) -> list[Contender]:
+    rule = {"verify": "block"} if method == "msd-block" else {}
     out = []
     for n in msd_n:
         for k in msd_k:
-            settings = {"particles": n, "draft_tokens": k}
+            settings = {"particles": n, "draft_tokens": k, **rule}
             configs_from_fields({"method": "msd", **settings})
-            out.append(Contender("msd", settings))
+            out.append(Contender(method, settings))
     return out
 
 

@@ -230,8 +230,8 @@ def add_sd_options(p: argparse.ArgumentParser) -> None:
         "--verify",
         choices=VERIFY_RULES,
         default=None,
-        help="sd: test the drafts token by token, or the block jointly (keeps at least as many; "
-        f"default {SD_VERIFY})",
+        help="sd, msd: test the drafts token by token, or the block jointly (sd: keeps at least "
+        f"as many; msd: block-verifies one draft at a time; default {SD_VERIFY})",
     )
     p.add_argument(
         "--proposal",

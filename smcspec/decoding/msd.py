@@ -42,6 +42,7 @@ import torch
 
 from smcspec import sampling
 from smcspec.config import MSDConfig, SamplingConfig
+from smcspec.decoding import msd_block
 from smcspec.decoding.agreement import Tally, agreement
 from smcspec.decoding.base import (
     DecodeResult,
@@ -58,6 +59,7 @@ from smcspec.decoding.base import (
     start_cache,
 )
 from smcspec.decoding.logprobs import TokenLogprobs, score, to_host
+from smcspec.decoding.residuals import residual, residual_scales
 from smcspec.models.base import CausalLM, KVCache
 
 
@@ -215,8 +217,10 @@ class MultiDraftDecoder:
     def _verify(
         self, drafts: torch.Tensor, logq: torch.Tensor, logp: torch.Tensor, u: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`verify` (a hook for the broken variants the tests must reject)."""
-        return verify(drafts, logq, logp, u)
+        """`verify`, or `msd_block.verify` for the block rule (a hook for the broken variants
+        the tests must reject)."""
+        walk = msd_block.verify if self.config.verify == "block" else verify
+        return walk(drafts, logq, logp, u)
 
     def _cut(self, path: list[int], depth: int, s: SamplingConfig) -> tuple[list[int], int, bool]:
         """The committed block of a walk's path (its first `depth` tokens were accepted drafts,
@@ -236,32 +240,6 @@ class MultiDraftDecoder:
                 rollback(cache, seq_len)
         else:
             restart_rows(list(caches), seq_len, self.config.particles, winner)
-
-
-def residual_scales(
-    p: torch.Tensor, q: torch.Tensor, rejections: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(c, S) [rejections + 1, ...]: the residual after m rejections at a node of target law
-    p [..., V] and draft law q [..., V] (probabilities) is r_m = (p - c_m q)+ / S_m. Induction:
-    (r_m - q)+ = (p - (c_m + S_m) q)+ / S_m wherever p > c_m q, and 0 = (p - c_{m+1} q)+
-    elsewhere. S_m = 0 (r_{m-1} = q, rounding only: its test would have kept the draft) leaves
-    r_m undefined; `residual` then takes p, as sd does."""
-    c = [torch.zeros(p.shape[:-1], dtype=p.dtype, device=p.device)]
-    total = [torch.ones_like(c[0])]  # r_0 = p
-    for _ in range(rejections):
-        c.append(c[-1] + total[-1])
-        # p - c q in one pass, clamped in place: at a 152k vocabulary these float64 passes are
-        # most of the walk's cost
-        total.append(torch.addcmul(p, c[-1][..., None], q, value=-1).clamp_min_(0).sum(dim=-1))
-    return torch.stack(c), torch.stack(total)
-
-
-def residual(
-    p: torch.Tensor, q: torch.Tensor, c: torch.Tensor, total: torch.Tensor
-) -> torch.Tensor:
-    """r = (p - c q)+ / S at the tokens (or whole laws) p, q [...] with c, S broadcast to them;
-    p where S = 0."""
-    return torch.where(total > 0, (p - c * q).clamp_min(0) / total, p)
 
 
 def verify(

@@ -284,26 +284,38 @@ def _decide_block(
     if k == 0:
         none = torch.zeros((), dtype=torch.long, device=logp.device)
         return none, sampling.sample_at(logp[0], u[0])
-    p, q = logp.double().exp(), logq.double().exp()  # [k + 1, V], [k, V]
+    tau, _, rest = block_stop(drafts, logq, logp, u[:k])
+    total = rest.sum()
+    at = tau.clamp(max=k - 1)[None]  # [1]
+    own = logp.index_select(0, at)[0].double()  # p_tau, where the residual vanishes numerically
+    residual = torch.where(total > 0, (rest / total.clamp_min(1e-300)).log(), own)
+    law = torch.where(tau < k, residual, logp.index_select(0, tau[None])[0].double())  # [V]
+    return tau, sampling.sample_at(law, u[k])
+
+
+def block_stop(
+    drafts: torch.Tensor, logq: torch.Tensor, logp: torch.Tensor, eta: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where block verification stops (the module docstring), no host sync: (tau [], the
+    block's weight w_tau [], and max(0, w_tau p_tau - q_tau) [V], the unnormalised residual
+    the final token is drawn from when tau < k; at tau = k, the last draft's). drafts [k >= 1],
+    logq [k, V], logp [k + 1, V], eta [k]; float64 results."""
+    k = drafts.numel()
+    p, q = logp[:k].double().exp(), logq.double().exp()  # [k, V] each
     log_ratio = sampling.pick(logp[:k], drafts).double() - sampling.pick(logq, drafts).double()
     log_w = [torch.zeros((), dtype=torch.float64, device=logp.device)]
     for i in range(k):  # w_i = min(1, w_{i-1} p/q(x_i)), K <= a few dozen steps
         log_w.append((log_w[-1] + log_ratio[i]).clamp(max=0.0))
     w = torch.stack(log_w).exp()  # [k + 1]
-    excess = (w[:k, None] * p[:k] - q).clamp_min(0.0)  # [k, V] max(0, w_i p_i - q_i)
+    excess = (w[:k, None] * p - q).clamp_min(0.0)  # [k, V] max(0, w_i p_i - q_i)
     r = excess.sum(-1)  # [k]
     denominator = r + 1 - w[:k]
     h = torch.where(denominator > 0, r / denominator.clamp_min(1e-300), torch.zeros_like(r))
     h = torch.cat([h[1:], w[k:]])  # [k] h_1..h_K (h_0 is no test: tau = 0 is the default)
-    stops = (u[:k] <= h).long() * torch.arange(1, k + 1, device=logp.device)  # [k]
+    stops = (eta <= h).long() * torch.arange(1, k + 1, device=logp.device)  # [k]
     tau = stops.max()  # [] the largest i with eta_i <= h_i, 0 if none
     at = tau.clamp(max=k - 1)[None]  # [1]
-    rest = excess.index_select(0, at)[0]  # [V]
-    total = rest.sum()
-    own = logp.index_select(0, at)[0].double()  # p_tau, where the residual vanishes numerically
-    residual = torch.where(total > 0, (rest / total.clamp_min(1e-300)).log(), own)
-    law = torch.where(tau < k, residual, logp.index_select(0, tau[None])[0].double())  # [V]
-    return tau, sampling.sample_at(law, u[k])
+    return tau, w.index_select(0, tau[None])[0], excess.index_select(0, at)[0]
 
 
 def _advance(generator: torch.Generator, state: torch.Tensor, used: int) -> None:

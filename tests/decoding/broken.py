@@ -21,6 +21,10 @@ Bug -> what it does wrong -> the test that rejects it:
   chi-square
 - MSDBonusFromDraft: when all K are accepted the draft's own next token is the bonus, not a draw
   from p -> msd chi-square
+- MSDBlockReusesStoppedDraft (msd's block rule): the draft whose block stopped stays alive and
+  is tested again at the stop, though its test read its later tokens -> msd block chi-square
+- MSDBlockTokenResidual (msd's block rule): the other drafts are tested against the token rule's
+  residual (p - q)+ at the stop, not block verification's (w p - q)+ -> msd block chi-square
 - ancestors_ignoring_weights: resampling draws ancestors from equal weights -> smc unnormalized
   measure with resampling between rounds, every scheme
 - resample_keeping_weights: the copies keep their ancestor's weight -> the same test
@@ -330,3 +334,94 @@ class SDLookupWithDraftQ(SpeculativeDecoder):
             laws.append(sampling.law(logits, s, s.proposal_temperature, context, prompt_len)[0, 0])
             feed = torch.tensor([[x]])
         return torch.tensor(found), torch.stack(laws)
+
+
+def multipath_walk(drafts, logq, logp, u, bug=None):
+    """`msd_block.verify` as a plain loop over Python floats, sharing no code with it: block
+    verification along the active draft (as `block_walk` computes it), and at its stop the other
+    alive drafts tested one at a time against the residual, iterated (no closed form). The same
+    uniforms: u[d N + j] is draft j's eta or test at depth d, the final draw u[-1]. bug:
+    "stopped draft reused" or "token residual at the stop" (the header's two msd block bugs)."""
+    n, k = drafts.shape
+    rows = drafts.tolist()
+    p = [[[math.exp(v) for v in law] for law in row] for row in logp.double().tolist()]
+    q = [[[math.exp(v) for v in law] for law in row] for row in logq.double().tolist()]
+    uu = u.double().tolist()
+    spent, active, start, path = set(), 0, 0, []
+    while True:
+        eta = [uu[d * n + active] for d in range(start, k)]
+        tau, w = _block_stop(rows[active][start:], p[active][start:], q[active][start:], eta)
+        path += rows[active][start : start + tau]
+        depth = start + tau
+        if depth == k:
+            return _walked(path, _draw(p[active][k], uu[-1]), active)
+        if bug != "stopped draft reused":
+            spent.add(active)
+        weight = 1.0 if bug == "token residual at the stop" else w
+        here, law = p[active][depth], q[active][depth]
+        r = _normalised([max(0.0, weight * a - b) for a, b in zip(here, law, strict=True)], here)
+        kept = None
+        for j in range(n):
+            if j in spent or rows[j][:depth] != path:
+                continue
+            x = rows[j][depth]
+            if uu[depth * n + j] < r[x] / q[j][depth][x]:
+                kept = j
+                break
+            r = _normalised([max(0.0, a - b) for a, b in zip(r, q[j][depth], strict=True)], here)
+        if kept is None:
+            return _walked(path, _draw(r, uu[-1]), active)
+        path.append(rows[kept][depth])
+        active, start = kept, depth + 1
+        if start == k:
+            return _walked(path, _draw(p[active][k], uu[-1]), active)
+
+
+def _block_stop(drafts, p, q, eta):
+    """Block verification's stop over Python floats (the laws along one draft from its start):
+    (tau, w_tau)."""
+    k = len(drafts)
+    w = [1.0]
+    for i, x in enumerate(drafts):
+        w.append(min(1.0, w[i] * p[i][x] / q[i][x]))
+    h = []
+    for i in range(1, k):
+        r = sum(max(0.0, w[i] * a - b) for a, b in zip(p[i], q[i], strict=True))
+        h.append(r / (r + 1 - w[i]) if r + 1 - w[i] > 0 else 0.0)
+    h.append(w[k])  # h_1 .. h_K
+    tau = max((i for i in range(1, k + 1) if eta[i - 1] <= h[i - 1]), default=0)
+    return tau, w[tau]
+
+
+def _normalised(mass, fallback):
+    total = sum(mass)
+    return [v / total for v in mass] if total > 0 else fallback
+
+
+def _draw(law, u):
+    """The token at which law's CDF, in token order, first exceeds u times its total."""
+    total, acc = sum(law), 0.0
+    for t, mass in enumerate(law):
+        acc += mass / total
+        if u < acc:
+            return t
+    return len(law) - 1
+
+
+class MSDBlockReference(MultiDraftDecoder):
+    """msd whose block rule is the plain loop (`multipath_walk`) with `bug` switched on."""
+
+    bug = None
+
+    def _verify(self, drafts, logq, logp, u):
+        width = drafts.shape[1] + 1
+        path, depth, winner = multipath_walk(drafts, logq, logp, u, self.bug)
+        return torch.cat([path, path[-1:].expand(width - path.numel())]), depth, winner
+
+
+class MSDBlockReusesStoppedDraft(MSDBlockReference):
+    bug = "stopped draft reused"
+
+
+class MSDBlockTokenResidual(MSDBlockReference):
+    bug = "token residual at the stop"

@@ -22,6 +22,11 @@ rounds), when the answer is drawn from the particles and exact rounds go on from
 
 With a potential, the conditional p phi / Z needs smc: the tuner picks its N and K, and smc
 decodes the whole request.
+
+Prompt lookup (sd with `proposal` "lookup" or "lookup+draft") is weighed too: its drafts cost no
+model step, and what they would keep is measured on the text the exact rounds commit, at every
+position, before any lookup round runs (`lookup.LookupTally`). Its rounds' agreement is the
+lookup's, not the draft's, so they leave the draft's estimate alone.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from smcspec.decoding.base import (
     released,
 )
 from smcspec.decoding.logprobs import TokenLogprobs
+from smcspec.decoding.lookup import LookupTally
 from smcspec.decoding.population import Population
 from smcspec.models.base import CausalLM
 from smcspec.potentials import Potential
@@ -59,8 +65,9 @@ class Outlook(NamedTuple):
     """What a choice is made from: the request's settings, the agreement measured so far (its
     sum and positions: the tuner adds its prior), the setting running now (None at the start),
     the committed length (prompt and new tokens) and the new tokens still allowed, whether an
-    approximate setting (smc) is allowed (`exact=False`, and its ESS has not failed), and the
-    rounds and tokens each setting has committed in this request."""
+    approximate setting (smc) is allowed (`exact=False`, and its ESS has not failed), the
+    rounds and tokens each setting has committed in this request, and what prompt lookup
+    would keep on the text so far (None: not measured)."""
 
     config: AutoConfig
     sampling: SamplingConfig
@@ -72,6 +79,7 @@ class Outlook(NamedTuple):
     remaining: int
     approximate_allowed: bool
     measured: Mapping[DecodingConfig, tuple[int, int]]
+    lookup: LookupTally | None = None
 
 
 class Choice(NamedTuple):
@@ -176,6 +184,8 @@ class _Segment:
         config = self.choice.config
         out: dict[str, Any] = {"method": self.choice.method}
         out |= {k: getattr(config, k) for k in ("particles", "draft_tokens") if hasattr(config, k)}
+        if reads_text(config):
+            out["proposal"] = config.proposal
         measured = self.tokens / self.seconds if self.seconds > 0 else None
         return out | {
             "from_round": self.start,
@@ -194,6 +204,7 @@ class _Run:
     prompt: list[int]
     s: SamplingConfig
     approximate_allowed: bool
+    lookup: LookupTally
     new: list[int] = field(default_factory=list)
     rounds: int = 0
     done: bool = False
@@ -259,7 +270,13 @@ class AutoDecoder:
     ) -> DecodeResult:
         check_prompt(prompt, self.target)
         clock = StageClock()
-        run = _Run(list(prompt), sampling_cfg, approximate_allowed=not self.config.exact)
+        most = self.config.draft_tokens or self.config.max_draft_tokens
+        run = _Run(
+            list(prompt),
+            sampling_cfg,
+            approximate_allowed=not self.config.exact,
+            lookup=LookupTally(start=len(prompt), most=most),
+        )
         if self.potential is not None:
             return self._with_potential(run, generator, watch)
         choice: Choice | None = self._choose(run, None)
@@ -288,6 +305,7 @@ class AutoDecoder:
             run.remaining,
             run.approximate_allowed,
             dict(run.measured),
+            run.lookup,
         )
         choice = self.tuner.choose(outlook)
         if not (choice.exact or run.approximate_allowed or self.potential is not None):
@@ -329,7 +347,9 @@ class AutoDecoder:
                 run.done = step.done
                 run.proposed += step.checked
                 run.accepted += step.accepted
-                run.tally.add(step.agreement)
+                if not reads_text(choice.config):  # a lookup's agreement is not the draft's
+                    run.tally.add(step.agreement)
+                run.lookup.update(run.prompt + run.new)
                 if step.scored is not None:
                     run.scores.append(step.scored)
                 if not run.done and watch is not None and watch(run.new):
@@ -368,6 +388,7 @@ class AutoDecoder:
             choice.config, result.rounds, len(result.tokens), split["draft"], split["verify"]
         )
         run.commit(time, result.tokens)
+        run.lookup.skip(len(run.prompt) + len(run.new))
         run.segments[-1].seconds += split["resample"]
         stats = result.stats
         run.ess = (run.ess or []) + list(stats.ess)
@@ -402,9 +423,15 @@ class AutoDecoder:
 
 
 def setting_label(report: Mapping[str, Any]) -> str:
-    """A setting as `AutoStats.settings` reports it, in words: "msd N=2 K=3"."""
+    """A setting as `AutoStats.settings` reports it, in words: "msd N=2 K=3", "sd K=4 lookup"."""
     sizes = (("particles", "N"), ("draft_tokens", "K"))
-    return report["method"] + "".join(f" {flag}={report[k]}" for k, flag in sizes if k in report)
+    label = report["method"] + "".join(f" {flag}={report[k]}" for k, flag in sizes if k in report)
+    return label + (f" {report['proposal']}" if "proposal" in report else "")
+
+
+def reads_text(config: DecodingConfig) -> bool:
+    """Whether a setting's drafts come from the text (sd's lookup proposals)."""
+    return getattr(config, "proposal", "draft") != "draft"
 
 
 def low_ess_of(ess: list[float], floor: float) -> bool:

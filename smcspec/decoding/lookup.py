@@ -15,10 +15,14 @@ particles would all be copies of one text whose weight says nothing about p.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 # the longest n-gram matched (then n - 1, ... down to 1): llama.cpp's and vLLM's defaults are 3-4
 LOOKUP_NGRAM = 3
+# the proposals that read the text: sd's `proposal` values other than "draft"
+LOOKUP_PROPOSALS = ("lookup", "lookup+draft")
 
 
 def continuation(tokens: list[int], k: int, ngram: int = LOOKUP_NGRAM) -> list[int]:
@@ -39,3 +43,78 @@ def point_masses(tokens: list[int], vocab_size: int) -> torch.Tensor:
     if tokens:
         logq[torch.arange(len(tokens)), torch.tensor(tokens)] = 0.0
     return logq
+
+
+@dataclass
+class LookupTally:
+    """What prompt lookup would keep, measured on text already committed by an exact method,
+    at no model cost (auto's estimate, `decoding.auto`).
+
+    At each position i of the generated text, `continuation` of the text before i proposes up
+    to `most` tokens; the position counts whether it proposed any and how many of them the text
+    then actually holds. That is an unbiased estimate of a lookup round's kept drafts: the
+    committed text after i is a draw from p given the text before it (the method was exact),
+    and sd keeps a point-mass draft t_j with probability p(t_j | text, t_<j) once the earlier
+    ones are kept, so P(a round from i keeps >= j drafts) = P(the text after i starts with
+    t_1..t_j). A position is counted once its next `most` tokens are committed."""
+
+    start: int  # the first position measured: the prompt's length
+    most: int  # the largest K priced
+    ngram: int = LOOKUP_NGRAM
+    positions: int = 0
+    found: int = 0  # positions where the lookup proposed anything
+    # kept[j]: positions whose proposal the text matched for at least j + 1 tokens
+    kept: list[int] = field(default_factory=list)
+    _next: int = -1
+    # per n: each n-gram's latest start indexed so far, and the next start to index
+    _latest: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict)
+    _indexed: dict[int, int] = field(default_factory=dict)
+
+    def update(self, tokens: list[int]) -> None:
+        """Count every position of `tokens` (the prompt and the text so far) not yet counted
+        whose next `most` tokens are there."""
+        if len(self.kept) < self.most:
+            self.kept += [0] * (self.most - len(self.kept))
+        i = max(self._next, self.start)
+        while i + self.most <= len(tokens):
+            proposed = self._continuation(tokens, i)
+            self.positions += 1
+            self.found += bool(proposed)
+            for j, token in enumerate(proposed):
+                if token != tokens[i + j]:
+                    break
+                self.kept[j] += 1
+            i += 1
+        self._next = i
+
+    def skip(self, length: int) -> None:
+        """Count no position before `length`: text an approximate method committed, which is
+        not a draw from p."""
+        self._next = max(self._next, length)
+
+    def _continuation(self, tokens: list[int], i: int) -> list[int]:
+        """`continuation(tokens[:i], most, ngram)` from an index of the n-grams before i, kept
+        as i grows (the same search, without rescanning the text at every position)."""
+        for n in range(min(self.ngram, i - 1), 0, -1):
+            latest = self._latest.setdefault(n, {})
+            start = self._indexed.get(n, 0)
+            # continuation matches the last n tokens at a start <= i - n - 1
+            for s in range(start, i - n):
+                latest[tuple(tokens[s : s + n])] = s
+            self._indexed[n] = max(start, i - n)
+            at = latest.get(tuple(tokens[i - n : i]))
+            if at is not None:
+                return tokens[at + n : min(at + n + self.most, i)]
+        return []
+
+    def drafts_kept(self, k: int) -> float:
+        """Mean drafts a lookup round of K = k keeps: E[min(match, k)] = sum over j < k of
+        P(match > j); 0 before any position is counted."""
+        if not self.positions:
+            return 0.0
+        return sum(self.kept[: min(k, self.most)]) / self.positions
+
+    @property
+    def found_rate(self) -> float:
+        """The share of positions where the lookup proposed anything (0 before any)."""
+        return self.found / self.positions if self.positions else 0.0

@@ -52,13 +52,15 @@ MakeDecoder = Callable[[CausalLM, CausalLM, Any, Potential | None, Tuner | None]
 class Grid:
     """The values auto weighs: every K in `draft_tokens`, N in `msd_particles` for msd and in
     `smc_particles` for smc; ar and sd only where `ar` / `sd` (a request that gives K leaves ar
-    out, one that gives N ar and sd too). Each row's `grid` reads the fields it needs."""
+    out, one that gives N ar and sd too); sd also with each proposal of `lookup`. Each row's
+    `grid` reads the fields it needs."""
 
     draft_tokens: tuple[int, ...] = tuple(range(1, 9))
     msd_particles: tuple[int, ...] = (2, 4, 8)
     smc_particles: tuple[int, ...] = (2, 4, 8)
     ar: bool = True
     sd: bool = True
+    lookup: tuple[str, ...] = ()  # sd's proposals that read the text, at every K, beside sd's
 
 
 def _by_n_and_k(config: type, ns: tuple[int, ...], ks: tuple[int, ...]) -> list[Any]:
@@ -130,7 +132,15 @@ TABLE: dict[str, Method] = {
             potentials=False,
             summary="speculative decoding: K draft tokens a round, exact by rejection sampling",
             exact=True,
-            grid=lambda g: [SDConfig(draft_tokens=k) for k in g.draft_tokens] if g.sd else [],
+            grid=lambda g: (
+                [
+                    SDConfig(draft_tokens=k, proposal=p)
+                    for p in ("draft", *g.lookup)
+                    for k in g.draft_tokens
+                ]
+                if g.sd
+                else []
+            ),
         ),
         Method(
             "smc",

@@ -19,6 +19,14 @@ the scale of those that have.
 
 An approximate setting (smc), chosen while exact rounds run, needs the prefix fed again into
 caches of its own: its prediction pays that (`handoff_seconds`) over the tokens left.
+
+sd with a lookup proposal is priced from what the lookup would have kept on the request's own
+text (`lookup.LookupTally`, measured once LOOKUP_MIN_POSITIONS positions are committed): a
+position where the lookup proposes is a round of one target pass over K + 1 positions and no
+draft step (ar's round, measured, plus the pass's K more positions, from the fit); one where it
+proposes nothing is ar's round ("lookup") or a draft round ("lookup+draft"). Those rounds are
+left out of the draft's agreement, of the measured scales and of the learned round costs: they
+measure the lookup, not the draft.
 """
 
 from __future__ import annotations
@@ -28,9 +36,10 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from smcspec.config import AutoConfig, DecodingConfig, SamplingConfig
+from smcspec.config import ARConfig, AutoConfig, DecodingConfig, SamplingConfig, SDConfig
 from smcspec.decoding.agreement import Tally
-from smcspec.decoding.auto import Choice, Outlook, RoundTime
+from smcspec.decoding.auto import Choice, Outlook, RoundTime, reads_text
+from smcspec.decoding.lookup import LOOKUP_PROPOSALS
 from smcspec.decoding.methods import Grid, candidates, method_of, method_row
 from smcspec.engine import costs as step_costs
 from smcspec.engine.costs import RoundTimes, StepCosts
@@ -46,6 +55,8 @@ PRIOR_POSITIONS = 8
 SWITCH_MARGIN = 0.03
 # How much of the prior a finished request's mean replaces.
 PRIOR_WEIGHT = 0.3
+# Committed positions measured before prompt lookup is weighed: fewer say little.
+LOOKUP_MIN_POSITIONS = 8
 
 
 def sampling_key(s: SamplingConfig) -> tuple:
@@ -75,6 +86,7 @@ def grid_for(config: AutoConfig) -> Grid:
         smc_particles=tuple(ns) or (2,),
         ar=not (given_n or given_k),
         sd=not given_n,
+        lookup=LOOKUP_PROPOSALS,
     )
 
 
@@ -172,8 +184,14 @@ class Tuner:
                 min_divergence(a, cfg.draft_tokens, cfg.particles) > config.max_divergence
             ):
                 continue  # its weights would degenerate past the bound, whatever q does
-            tokens, seconds = step_costs.round_cost(name, cfg, a, costs)
-            tokens = 1 + (tokens - 1) * _measured_scale(outlook, name, a, costs)
+            if reads_text(cfg):
+                priced = _lookup_round(cfg, a, costs, outlook)
+                if priced is None:
+                    continue  # too little text measured yet
+                tokens, seconds = priced
+            else:
+                tokens, seconds = step_costs.round_cost(name, cfg, a, costs)
+                tokens = 1 + (tokens - 1) * _measured_scale(outlook, name, a, costs)
             rate = tokens / seconds
             if not row.exact and outlook.current is not None:
                 rate = _with_handoff(rate, costs, outlook)
@@ -216,6 +234,8 @@ class Tuner:
         if self.sharing() > 1:  # its passes held other requests' rows: not its own price
             rounds = []
         for r in rounds:
+            if reads_text(r.config):  # a lookup round's cost is not sd's draft round's
+                continue
             t = totals.setdefault(r.config, [0, 0.0, 0.0])
             t[0] += r.rounds
             t[1] += r.draft_seconds
@@ -267,6 +287,8 @@ def _scale_of(
     rounds = measured = predicted = 0.0
     for cfg, (n, tokens) in outlook.measured.items():
         row = method_row(method_of(cfg))
+        if reads_text(cfg):  # the lookup's tokens, not the draft model's
+            continue
         if counts(row) and row.lookahead(cfg) > 0:  # rounds without drafts say nothing
             rounds += n
             measured += tokens - n
@@ -284,3 +306,22 @@ def _with_handoff(rate: float, costs: StepCosts, outlook: Outlook) -> float:
     """smc's tokens per second over the tokens left, paying the prefix fed again."""
     remaining = max(1, outlook.remaining)
     return remaining / (remaining / rate + handoff_seconds(costs, outlook.context))
+
+
+def _lookup_round(
+    config: SDConfig, a: float, costs: StepCosts, outlook: Outlook
+) -> tuple[float, float] | None:
+    """(expected tokens, seconds) of a round of sd with a lookup proposal (the module
+    docstring); None before LOOKUP_MIN_POSITIONS positions are measured."""
+    tally = outlook.lookup
+    if tally is None or tally.positions < LOOKUP_MIN_POSITIONS:
+        return None
+    k, found = config.draft_tokens, tally.found_rate
+    _, step = step_costs.round_cost("ar", ARConfig(), a, costs)
+    looked = step + max(0.0, costs.target(1, k + 1) - costs.target(1, 1))
+    kept = tally.drafts_kept(k)  # 0 at the positions where nothing was proposed
+    if config.proposal == "lookup":
+        return 1 + kept, found * looked + (1 - found) * step
+    tokens, seconds = step_costs.round_cost("sd", SDConfig(k), a, costs)
+    tokens = 1 + (tokens - 1) * _measured_scale(outlook, "sd", a, costs)
+    return 1 + kept + (1 - found) * (tokens - 1), found * looked + (1 - found) * seconds

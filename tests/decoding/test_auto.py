@@ -204,3 +204,54 @@ def test_a_watch_stops_auto_after_its_round(target, far_draft):
 
     out = decoder.decode(PROMPT, cfg, torch.Generator().manual_seed(0), watch)
     assert out.stats.stopped and out.tokens == seen[-1] and 6 <= len(out.tokens) < 40
+
+
+# lookup rounds among the others: the text's own drafts, then the draft model where nothing
+# matched, between rows of msd (its restart) and ar
+LOOKUP_CYCLE = (
+    SDConfig(2, proposal="lookup"),
+    MSDConfig(2, 2),
+    SDConfig(2, proposal="lookup+draft"),
+    ARConfig(),
+    SDConfig(1, proposal="lookup"),
+)
+
+
+def test_auto_is_exact_while_it_switches_through_lookup_rounds(target, far_draft):
+    decoder, tuner = auto(target, far_draft, LOOKUP_CYCLE)
+    samples = draw(decoder, CFG, seed=6)
+    assert chi_square_pvalue(samples, sequence_law(target, PROMPT, CFG)) > ALPHA
+    assert {o.current for o in tuner.outlooks} >= set(LOOKUP_CYCLE)
+
+
+def test_lookup_rounds_leave_the_drafts_agreement_alone(target, far_draft):
+    """Only draft-model rounds feed the agreement auto prices drafts by; every exact round's
+    text feeds the lookup tally (positions after the prompt whose next K tokens are in)."""
+    only_lookup = (SDConfig(2, proposal="lookup"),)
+    decoder, tuner = auto(target, far_draft, only_lookup, AutoConfig(max_draft_tokens=2))
+    cfg = SamplingConfig(1.0, max_new_tokens=20, stop_at_eos=False)
+    out = decoder.decode(PROMPT, cfg, torch.Generator().manual_seed(7))
+    assert out.stats.agreement_positions == 0 and out.stats.proposed_tokens > 0
+    last = tuner.outlooks[-1].lookup
+    # every position after the prompt whose next K = 2 tokens are committed
+    assert last.positions == len(out.tokens) - 2 + 1
+    assert out.stats.settings[0]["proposal"] == "lookup"
+
+
+def test_auto_takes_lookup_where_the_text_repeats():
+    """A greedy toy target soon repeats itself; with a draft that disagrees and costs half a
+    pass, auto measures on its own text that lookup keeps nearly every draft and takes it."""
+    from smcspec.engine import LLM
+    from smcspec.engine import costs as cm
+    from smcspec.models.toy import perturbed_lm, random_lm
+
+    target = random_lm(5, seed=1)
+    llm = LLM.from_models(target, perturbed_lm(target, seed=2, noise=3.0))
+    llm.tuner.costs = cm.StepCosts(target_fit=(1.0, 0.0), draft_fit=(0.5, 0.0))
+    out = llm.generate([1, 2, 3, 4], max_new_tokens=80, temperature=0.0, stop_at_eos=False)
+    chosen = [s.get("proposal") for s in out.diagnostics["settings"]]
+    assert "lookup" in chosen or "lookup+draft" in chosen, out.diagnostics["settings"]
+    ar = llm.generate(
+        [1, 2, 3, 4], method="ar", max_new_tokens=80, temperature=0.0, stop_at_eos=False
+    )
+    assert out.token_ids == ar.token_ids

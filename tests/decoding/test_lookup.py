@@ -3,14 +3,15 @@ sampling the target's law exactly (the independent oracle, Pearson chi-square at
 samples, as test_exactness.py; a 4-token vocabulary makes matches frequent), with the bug of
 testing looked-up drafts against the draft model's q rejected."""
 
+import random
 from collections import Counter
 
 import pytest
 import torch
 
-from smcspec.config import SDConfig
-from smcspec.decoding import SpeculativeDecoder
-from smcspec.decoding.lookup import continuation, point_masses
+from smcspec.config import SamplingConfig, SDConfig
+from smcspec.decoding import AutoregressiveDecoder, SpeculativeDecoder
+from smcspec.decoding.lookup import LookupTally, continuation, point_masses
 from tests.decoding.broken import SDLookupWithDraftQ
 from tests.decoding.test_exactness import R_BROKEN, SETTINGS, R, longer
 from tests.oracle import sequence_law
@@ -98,3 +99,59 @@ def test_sds_new_settings_are_checked_at_their_bounds(given, field):
     with pytest.raises(SettingError) as err:
         SDConfig(**given)
     assert err.value.field == field
+
+
+def test_the_tally_counts_what_continuation_proposes_at_every_position():
+    """`LookupTally` indexes the n-grams as the text grows instead of rescanning it: the same
+    proposals as `continuation` at every position, fed in pieces, on 300 random texts."""
+    for seed in range(300):
+        rng = random.Random(seed)
+        size, vocab = rng.randint(2, 60), rng.randint(2, 6)
+        tokens = [rng.randrange(vocab) for _ in range(size)]
+        start, most, ngram = rng.randint(0, size - 1), rng.randint(1, 5), rng.randint(1, 4)
+        tally = LookupTally(start=start, most=most, ngram=ngram)
+        for cut in [*sorted(rng.sample(range(1, size + 1), min(3, size))), size]:
+            tally.update(tokens[:cut])
+        positions = found = 0
+        kept = [0] * most
+        for i in range(start, size - most + 1):
+            proposed = continuation(tokens[:i], most, ngram)
+            positions, found = positions + 1, found + bool(proposed)
+            for j, token in enumerate(proposed):
+                if token != tokens[i + j]:
+                    break
+                kept[j] += 1
+        assert (tally.positions, tally.found, tally.kept) == (positions, found, kept), seed
+
+
+def _tally_estimate(text: list[int], k: int, shift: int = 0) -> float:
+    """The tally's kept drafts at the position after PROMPT; shift 1: the plausible bug of
+    matching the proposal against the text one position further on."""
+    tally = LookupTally(start=len(PROMPT), most=k)
+    tally.update(PROMPT + text[shift:] + text[:shift])
+    return tally.drafts_kept(k)
+
+
+def _mean_and_variance(values: list[float]) -> tuple[float, float]:
+    mean = sum(values) / len(values)
+    return mean, sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values)
+
+
+@pytest.mark.parametrize("shift", [0, 1], ids=["the tally", "the shifted bug"])
+def test_the_tally_estimates_the_drafts_a_lookup_round_keeps(target, far_draft, shift):
+    """Unbiased, as `LookupTally` argues: at one position, min(match, K) over texts drawn by ar
+    has the mean of the drafts sd's first lookup round keeps from the same prompt (4000 each, a
+    difference of means within 4 standard errors); the off-by-one bug is more than 4 away."""
+    k, r = 3, 4000
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=k, stop_at_eos=False)
+    ar, g = AutoregressiveDecoder(target), torch.Generator().manual_seed(41)
+    counted = [_tally_estimate(ar.decode(PROMPT, cfg, g).tokens, k, shift) for _ in range(r)]
+    sd = SpeculativeDecoder(target, far_draft, SDConfig(k, proposal="lookup"))
+    first = SamplingConfig(temperature=1.0, max_new_tokens=k + 1, stop_at_eos=False)
+    g = torch.Generator().manual_seed(42)
+    kept = [
+        sd.decode(PROMPT, first, g, watch=lambda _: True).stats.accepted_tokens for _ in range(r)
+    ]
+    (a, va), (b, vb) = _mean_and_variance(counted), _mean_and_variance(kept)
+    close = abs(a - b) < 4 * (va + vb) ** 0.5
+    assert close == (shift == 0), (a, b, (va + vb) ** 0.5)

@@ -9,7 +9,8 @@ import pytest
 
 from smcspec.config import ARConfig, AutoConfig, MSDConfig, SamplingConfig, SDConfig, SMCConfig
 from smcspec.decoding.agreement import Tally
-from smcspec.decoding.auto import Outlook, RoundTime
+from smcspec.decoding.auto import Outlook, RoundTime, reads_text
+from smcspec.decoding.lookup import LookupTally
 from smcspec.decoding.methods import Grid
 from smcspec.engine import LLM, tuning
 from smcspec.engine import costs as cm
@@ -20,6 +21,7 @@ FLAT = cm.StepCosts(target_fit=(1.0, 0.0), draft_fit=(0.1, 0.0))
 # a CPU-like one: every position of a pass costs a third of a one-token pass
 STEEP = cm.StepCosts(target_fit=(1.0, 0.3), draft_fit=(0.1, 0.03))
 SEEDED = SamplingConfig(seed=1)
+LOOKUP = ("lookup", "lookup+draft")
 DEFAULT = AutoConfig()
 UNSEEDED = SamplingConfig()
 
@@ -256,7 +258,7 @@ def test_smc_chosen_part_way_pays_for_the_prefix_fed_again():
 def test_grid_for_doubles_n_and_counts_every_k():
     grid_for = tuning.grid_for
     assert grid_for(AutoConfig(max_particles=4, max_draft_tokens=3)) == Grid(
-        (1, 2, 3), (2, 4), (2, 4)
+        (1, 2, 3), (2, 4), (2, 4), lookup=LOOKUP
     )
     assert grid_for(AutoConfig(max_particles=8, max_draft_tokens=1)).msd_particles == (2, 4, 8)
     # no tree without a second draft
@@ -266,9 +268,12 @@ def test_grid_for_doubles_n_and_counts_every_k():
 @pytest.mark.parametrize(
     "given, grid",
     [
-        ({"particles": 8}, Grid((1, 2, 3), (8,), (8,), ar=False, sd=False)),
-        ({"draft_tokens": 2}, Grid((2,), (2, 4), (2, 4), ar=False)),
-        ({"particles": 3, "draft_tokens": 5}, Grid((5,), (3,), (3,), ar=False, sd=False)),
+        ({"particles": 8}, Grid((1, 2, 3), (8,), (8,), ar=False, sd=False, lookup=LOOKUP)),
+        ({"draft_tokens": 2}, Grid((2,), (2, 4), (2, 4), ar=False, lookup=LOOKUP)),
+        (
+            {"particles": 3, "draft_tokens": 5},
+            Grid((5,), (3,), (3,), ar=False, sd=False, lookup=LOOKUP),
+        ),
     ],
 )
 def test_grid_for_keeps_only_the_n_and_k_a_request_gives(given, grid):
@@ -378,3 +383,56 @@ PASSES = [
     (8, 1, 0.1333), (8, 2, 0.1985), (8, 3, 0.2567), (8, 5, 0.4162), (8, 9, 0.6145),
 ]
 # fmt: on
+
+
+def _tally(found: int, kept: list[int], positions: int = 100, most: int = 8) -> LookupTally:
+    """A lookup tally as if `positions` committed positions had been counted."""
+    tally = LookupTally(start=0, most=most)
+    tally.positions, tally.found = positions, found
+    tally.kept = list(kept) + [0] * (most - len(kept))
+    return tally
+
+
+def test_lookup_is_priced_from_what_the_text_shows_it_would_keep():
+    """sd with a lookup proposal, by hand on STEEP (a pass of t positions costs 1 + 0.3 t): at
+    K = 4, half the positions proposing and the text keeping 1.0 draft a position on average,
+    a round commits 2.0 tokens in 0.5 x target(1, 5) + 0.5 x ar's round = 0.5 x 2.5 + 0.5 x
+    1.3; lookup+draft pays a draft round where nothing was proposed. Failed on: the draft
+    steps charged to lookup rounds."""
+    tally = _tally(found=50, kept=[40, 30, 20, 10])
+    tuner, seen = tuning.Tuner.fixed(STEEP), outlook(0.8)._replace(lookup=tally)
+    by_config = {c.config: c.predicted for c in tuner.predictions(seen)}
+    assert by_config[SDConfig(4, proposal="lookup")] == pytest.approx(2.0 / 1.9)
+    a = tuner.agreement(seen)  # 0.8 with the prior's 8 positions
+    draft_tokens, draft_seconds = cm.round_cost("sd", SDConfig(4), a, STEEP)
+    tokens = 2.0 + 0.5 * (draft_tokens - 1)
+    seconds = 0.5 * 2.5 + 0.5 * draft_seconds
+    assert by_config[SDConfig(4, proposal="lookup+draft")] == pytest.approx(tokens / seconds)
+
+
+def test_lookup_is_chosen_where_the_text_copies_and_not_before_it_is_measured():
+    # a pass costs the same at any width and a draft step half of it: drafting barely pays
+    costs = _flat(1.0, 0.0, 0.5, 0.0)
+    tuner = tuning.Tuner.fixed(costs)
+    copying = _tally(found=100, kept=[95, 90, 85, 80, 75, 70, 65, 60])
+    chosen = tuner.choose(outlook(0.6)._replace(lookup=copying))
+    assert chosen.method == "sd" and chosen.config.proposal in LOOKUP
+    assert chosen.config.draft_tokens == 8
+    nothing = _tally(found=100, kept=[])
+    assert not reads_text(tuner.choose(outlook(0.6)._replace(lookup=nothing)).config)
+    few = _tally(found=7, kept=[7] * 8, positions=tuning.LOOKUP_MIN_POSITIONS - 1)
+    options = tuner.predictions(outlook(0.6)._replace(lookup=few))
+    assert not any(reads_text(c.config) for c in options)
+    assert not any(reads_text(c.config) for c in tuner.predictions(outlook(0.6)))
+
+
+def test_lookup_rounds_teach_neither_the_draft_costs_nor_sds_measured_scale():
+    """A lookup round is cheaper than a draft round and keeps the lookup's tokens: counted as
+    sd's, it would make sd look cheap and its drafts good. Failed on: either filter removed."""
+    tuner = tuning.Tuner.fixed(STEEP)
+    looked = SDConfig(4, proposal="lookup")
+    tuner.observe([RoundTime(looked, 10, 50, 0.0, 5.0)], UNSEEDED, Tally())
+    assert tuner.costs == STEEP
+    plain = {c.config: c.predicted for c in tuner.predictions(outlook(0.6))}
+    measured = tuner.predictions(outlook(0.6, measured={looked: (10, 50)}))
+    assert {c.config: c.predicted for c in measured} == plain

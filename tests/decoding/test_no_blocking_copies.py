@@ -105,6 +105,19 @@ READS: dict[tuple[str, str, str], tuple[str, str]] = {
     ("sampling.py", "sample_at", "total.tolist()"): (HOST, "read on the CPU only"),
     ("msd.py", "verify", "bool(walking)"): (HOST, "read on the CPU only"),
     ("msd.py", "verify", "int(alive.sum())"): (HOST, "read on the CPU only"),
+    **{
+        ("msd_block.py", scope, call): (
+            EXTRA,
+            'msd with verify="block" reads each stop of its walk (up to N + 1 a round)',
+        )
+        for scope, call in (
+            ("verify", "int(alive.sum())"),
+            ("verify", "bool(passed.any())"),
+            ("verify", "int(passed.long().argmax())"),
+            ("_stop", "int(tau)"),
+        )
+    },
+    ("lookup.py", "LookupTally.update", "bool(proposed)"): (HOST, "a list of token ids"),
     ("autoregressive.py", "AutoregressiveDecoder.draw", "int(token)"): (HOST, "read back above"),
     ("speculative.py", "SpeculativeDecoder._accept", "drafts.tolist()"): (HOST, "read back"),
     ("speculative.py", "SpeculativeDecoder._propose", "seq[0].tolist()"): (

@@ -44,6 +44,7 @@ from smcspec.decoding.base import (
     Decoder,
     DecodeResult,
     SharedCaches,
+    SMCStats,
     StageClock,
     Stats,
     Step,
@@ -168,6 +169,14 @@ class AutoStats(Stats):
     agreement_positions: int
     ess: list[float] | None = None  # smc's rounds, when it ran
     _omit_unset = ("ess",)
+
+
+@dataclass
+class AutoSMCStats(SMCStats):
+    """smc's figures where auto chose it for the whole request (a potential: the conditional
+    needs smc), with the setting it chose, as `AutoStats.settings` reports it."""
+
+    settings: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -418,8 +427,9 @@ class AutoDecoder:
         segment.rounds, segment.tokens = result.rounds, len(result.tokens)
         split = result.stage_seconds
         segment.seconds = split["draft"] + split["verify"] + split["resample"]
-        result.stats.settings = [segment.report()]
-        return result
+        smc = cast(SMCStats, result.stats)
+        own = {f.name: getattr(smc, f.name) for f in dataclasses.fields(smc)}
+        return dataclasses.replace(result, stats=AutoSMCStats(**own, settings=[segment.report()]))
 
 
 def setting_label(report: Mapping[str, Any]) -> str:

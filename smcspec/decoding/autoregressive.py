@@ -13,10 +13,8 @@ from smcspec.decoding.base import (
     StageClock,
     Step,
     Watch,
-    check_prompt,
+    opened,
     pending,
-    released,
-    start_cache,
 )
 from smcspec.decoding.guide import Guide
 from smcspec.decoding.logprobs import TokenLogprobs, score, to_host
@@ -45,15 +43,10 @@ class AutoregressiveDecoder:
         generator: torch.Generator,
         watch: Watch | None = None,
     ) -> DecodeResult:
-        check_prompt(prompt, self.target)
-        clock = StageClock()
-        seq = torch.tensor([prompt], dtype=torch.long)  # [1, L]
         guide = Guide(self.potential, 1) if self.potential is not None else None
         stopped = False
         scores: list[TokenLogprobs] = []
-        with released() as held:
-            with clock.stage("prefill"):
-                cache = start_cache(self.target, seq[0], 1, held)
+        with opened(prompt, 1, self.target) as (clock, seq, (cache,)):
             new: list[int] = []
             while len(new) < sampling_cfg.max_new_tokens:
                 with clock.stage("verify"):

@@ -69,9 +69,7 @@ class SMCStats(Stats):
     # adjusted laws of target and draft, a potential's shaping left out (as sd would test them)
     draft_agreement: float | None = None
     agreement_positions: int = 0  # the (particle, position) pairs averaged
-    # when auto chose smc (with a potential): the setting, as `AutoStats.settings` reports it
-    settings: list[dict[str, Any]] | None = None
-    _omit_unset = ("valid_particles", "potential_errors", "settings")
+    _omit_unset = ("valid_particles", "potential_errors")
 
 
 @dataclass
@@ -260,6 +258,32 @@ def released() -> Iterator[list[KVCache]]:
     finally:
         for cache in held:
             cache.release()
+
+
+class Opening(NamedTuple):
+    """A decode's start (`opened`): its clock, the prompt as [1, L], and one cache per model
+    asked for (None where the model was None)."""
+
+    clock: StageClock
+    seq: torch.Tensor
+    caches: tuple[KVCache | None, ...]
+
+
+@contextmanager
+def opened(prompt: list[int], rows: int, *models: CausalLM | None) -> Iterator[Opening]:
+    """How every decoder that runs its own caches opens: the prompt checked against the first
+    model, the clock started, and a cache per model holding the prompt in `rows` rows, filled
+    under the "prefill" stage; the caches go back when the block ends, however it ends."""
+    first = next(m for m in models if m is not None)
+    check_prompt(prompt, first)
+    clock = StageClock()
+    seq = torch.tensor([prompt], dtype=torch.long)  # [1, L]
+    with released() as held:
+        with clock.stage("prefill"):
+            caches = tuple(
+                None if m is None else start_cache(m, seq[0], rows, held) for m in models
+            )
+        yield Opening(clock, seq, caches)
 
 
 def pending(seqs: torch.Tensor, cache: KVCache) -> torch.Tensor:

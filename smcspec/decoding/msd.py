@@ -51,12 +51,10 @@ from smcspec.decoding.base import (
     StageClock,
     Step,
     Watch,
-    check_prompt,
+    opened,
     pending,
-    released,
     restart_rows,
     rollback,
-    start_cache,
 )
 from smcspec.decoding.logprobs import TokenLogprobs, score, to_host
 from smcspec.decoding.residuals import residual, residual_scales
@@ -91,16 +89,8 @@ class MultiDraftDecoder:
         generator: torch.Generator,
         watch: Watch | None = None,
     ) -> DecodeResult:
-        check_prompt(prompt, self.target)
-        clock = StageClock()
         s, n = sampling_cfg, self.config.particles
-        seq = torch.tensor([prompt], dtype=torch.long)  # [1, L]
-        with released() as held:
-            with clock.stage("prefill"):
-                caches = (
-                    start_cache(self.target, seq[0], n, held),
-                    start_cache(self.draft, seq[0], n, held),
-                )
+        with opened(prompt, n, self.target, self.draft) as (clock, seq, caches):
             new: list[int] = []
             walked: list[tuple[int, int]] = []  # per round: (drafts per row, depth reached)
             scores: list[TokenLogprobs] = []

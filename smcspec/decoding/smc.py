@@ -31,10 +31,9 @@ from smcspec.decoding.base import (
     StageClock,
     Watch,
     check_prompt,
+    opened,
     pending,
-    released,
     rollback,
-    start_cache,
 )
 from smcspec.decoding.logprobs import score
 from smcspec.decoding.population import Population
@@ -122,17 +121,11 @@ class SMCDecoder:
         generated: list[int],
         stop_when: Callable[[Population], bool] | None,
     ) -> DecodeResult:
-        clock = StageClock()
         n = self.config.particles
-        # the particles' shared start; penalties count from the prompt's end
-        prompt_t = torch.tensor([*prompt, *generated], dtype=torch.long)
         pop = Population.start(n, sampling_cfg.max_new_tokens, sampling_cfg.logprobs)
-        with released() as held:
-            with clock.stage("prefill"):
-                caches = (
-                    start_cache(self.target, prompt_t, n, held),
-                    start_cache(self.draft, prompt_t, n, held),
-                )
+        # the particles' shared start; penalties count from the prompt's end
+        with opened([*prompt, *generated], n, self.target, self.draft) as (clock, seq, caches):
+            prompt_t = seq[0]
             rounds = 0
             stopped = False
             while pop.live.numel() > 0 and pop.generated < sampling_cfg.max_new_tokens:

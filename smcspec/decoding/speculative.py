@@ -46,11 +46,9 @@ from smcspec.decoding.base import (
     StageClock,
     Step,
     Watch,
-    check_prompt,
+    opened,
     pending,
-    released,
     rollback,
-    start_cache,
 )
 from smcspec.decoding.logprobs import TokenLogprobs, score, to_host
 from smcspec.models.base import CausalLM, KVCache
@@ -81,16 +79,10 @@ class SpeculativeDecoder:
         generator: torch.Generator,
         watch: Watch | None = None,
     ) -> DecodeResult:
-        check_prompt(prompt, self.target)
-        clock = StageClock()
         s = sampling_cfg
-        seq = torch.tensor([prompt], dtype=torch.long)  # [1, L]
-        with released() as held:
-            with clock.stage("prefill"):
-                t_cache = start_cache(self.target, seq[0], 1, held)
-                # lookup alone never runs the draft model: no cache of its own to fill
-                uses_draft = self.config.proposal != "lookup"
-                d_cache = start_cache(self.draft, seq[0], 1, held) if uses_draft else None
+        # lookup alone never runs the draft model: no cache of its own to fill
+        draft = self.draft if self.config.proposal != "lookup" else None
+        with opened(prompt, 1, self.target, draft) as (clock, seq, (t_cache, d_cache)):
             new: list[int] = []
             rounds = proposed = accepted_total = 0
             done = stopped = False

@@ -284,7 +284,9 @@ class LLM:
         (`ARConfig`, `SDConfig`, `MSDConfig`, `SMCConfig`, `AutoConfig`; None: `AutoConfig()`);
         None sampling takes `SamplingConfig()`'s defaults. `stop`: a string or a list of
         strings (none empty); the text ends just before the first one and decoding stops once
-        it is certain.
+        it is certain. A request longer than the target's context (the prompt, the new tokens
+        and a round of drafts past them, as the server counts it) is refused here, not at the
+        pass that would cross it.
         auto's settings are cut to what the KV pools hold (`pools.fit_auto`: fewer particles or
         drafts, ar at the least); a request that no setting of its method fits is refused
         here, naming the pool. Bad settings raise ValueError naming the field."""
@@ -312,6 +314,7 @@ class LLM:
         )
         seed = secrets.randbits(63) if sampling.seed is None else sampling.seed
         request = Request(ids, decoding, sampling, potential, seed, stops)
+        _check_context(request, self.target.context_length)
         reason = pools.oversized(models, request.kv_rows(), request.max_length())
         if reason is not None:
             raise ValueError(reason)
@@ -458,3 +461,18 @@ def make_decoder(
     """The decoder a config's type names (its row of `decoding.methods`); auto's chooses with
     `tuner`."""
     return methods.row_of(decoding).decoder(target, draft, decoding, potential, tuner)
+
+
+def _check_context(request: Request, context: int | None) -> None:
+    """A ValueError where the request needs more positions than the model's context holds."""
+    need = request.max_length()
+    if context is None or need <= context:
+        return
+    lookahead = need - len(request.prompt_ids) - request.sampling.max_new_tokens
+    drafts = f" and {lookahead} draft tokens of lookahead" if lookahead else ""
+    raise SettingError(
+        f"max_new_tokens: the prompt's {len(request.prompt_ids)} tokens, "
+        f"{request.sampling.max_new_tokens} new tokens{drafts} need {need} positions; the "
+        f"model's context holds {context}",
+        "max_new_tokens",
+    )

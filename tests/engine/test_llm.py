@@ -427,3 +427,24 @@ def test_chat_is_generate_on_the_templated_messages(tiny_chat_llm):
     first = llm.generate(ids, "sd", seed=4, **settings)
     second = llm.generate(llm.encode_messages(other), "sd", seed=5, **settings)
     assert [o.token_ids for o in outs] == [first.token_ids, second.token_ids]
+
+
+def test_a_request_past_the_models_context_is_refused_before_it_runs():
+    """The prompt, the new tokens and a round of drafts past them must fit the target's
+    context, as the server counts them: at the limit the request is planned, one past it is a
+    ValueError naming max_new_tokens and the context, before anything decodes. Failed on: no
+    check in `plan` (the native engine refused only at the pass that crossed a Phi model's
+    limit, and ran any other model past its max_position_embeddings)."""
+    from smcspec.config import ARConfig, SamplingConfig, SDConfig
+
+    target = random_lm(5, seed=1)
+    target.context_length = 20
+    small = LLM.from_models(target, perturbed_lm(target, seed=2, noise=0.5))
+    small.plan([1, 2, 3, 4], ARConfig(), SamplingConfig(max_new_tokens=16))
+    small.plan([1, 2, 3, 4], SDConfig(4), SamplingConfig(max_new_tokens=12))
+    with pytest.raises(ValueError, match=r"max_new_tokens.*need 21 positions.*holds 20"):
+        small.plan([1, 2, 3, 4], ARConfig(), SamplingConfig(max_new_tokens=17))
+    with pytest.raises(ValueError, match="4 draft tokens of lookahead need 21"):
+        small.plan([1, 2, 3, 4], SDConfig(4), SamplingConfig(max_new_tokens=13))
+    with pytest.raises(ValueError, match="holds 20"):
+        small.generate([1, 2, 3, 4], method="ar", max_new_tokens=17)

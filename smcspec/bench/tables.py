@@ -332,9 +332,9 @@ def written(root: Path, file: str, index: int = 0) -> str:
 
 
 TABLES: dict[str, Callable[[Path], str]] = {
-    "cpu/speed": lambda root: engine_end_to_end(root, "cpu/engine-xeon-int8", ("native",)),
+    "cpu/speed": lambda root: engine_end_to_end(root, "cpu/engine-xeon-amx-int8", ("native",)),
     "cpu/engine-weights": lambda root: engine_by_weights(
-        root, {"int8": "cpu/engine-xeon-int8", "int4": "cpu/engine-xeon-int4"}
+        root, {"int8": "cpu/engine-xeon-amx-int8", "int4": "cpu/engine-xeon-amx-int4"}
     ),
     "cpu/engine-steps": lambda root: engine_steps(root, "cpu/engine-int8"),
     "cpu/engine-e2e": lambda root: engine_end_to_end(root, "cpu/engine-int8"),

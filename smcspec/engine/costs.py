@@ -246,7 +246,9 @@ def refresh(costs: StepCosts, observed: RoundTimes, weight: float = REFRESH_WEIG
 def round_cost(
     method: str, config: DecodingConfig, a: float, costs: StepCosts
 ) -> tuple[float, float]:
-    """(expected tokens, seconds) of one round of `method` at acceptance probability a."""
+    """(tokens, seconds) of one round of `method` at acceptance probability a: the tokens as
+    the method's model has them (`Method.tokens_per_round`; what the profile's and a request's
+    rounds measured scale them in one place, `tuning`), the seconds as measured or priced."""
     if not (isinstance(a, int | float) and 0 <= a <= 1):
         raise ValueError(f"a (the acceptance probability) must be in [0, 1], got {a!r}")
     row = method_row(method)
@@ -257,8 +259,6 @@ def round_cost(
     k = row.lookahead(config)
     rows, draft_rows = row.kv_rows(config)
     tokens = row.tokens_per_round(config, a)
-    scale = costs.tokens_scale(method, rows, k)
-    tokens = 1 + (tokens - 1) * scale
     measured = costs.round_seconds(method, rows, k)
     if measured is not None:
         return tokens, measured

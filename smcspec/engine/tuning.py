@@ -191,7 +191,7 @@ class Tuner:
                 tokens, seconds = priced
             else:
                 tokens, seconds = step_costs.round_cost(name, cfg, a, costs)
-                tokens = 1 + (tokens - 1) * _measured_scale(outlook, name, a, costs)
+                tokens = 1 + (tokens - 1) * _tokens_scale(outlook, name, cfg, a, costs)
             rate = tokens / seconds
             if not row.exact and outlook.current is not None:
                 rate = _with_handoff(rate, costs, outlook)
@@ -258,6 +258,17 @@ class Tuner:
                 self._divergence[key] = (1 - PRIOR_WEIGHT) * old + PRIOR_WEIGHT * divergence
 
 
+def _tokens_scale(
+    outlook: Outlook, method: str, config: DecodingConfig, a: float, costs: StepCosts
+) -> float:
+    """The one scale on a setting's modelled tokens beyond the first: what the profile's rounds
+    of its method, rows and K committed over the model's (`StepCosts.tokens_scale`), times what
+    this request's rounds did over that (`_measured_scale`)."""
+    row = method_row(method)
+    rows, k = row.kv_rows(config)[0], row.lookahead(config)
+    return costs.tokens_scale(method, rows, k) * _measured_scale(outlook, method, a, costs)
+
+
 def _measured_scale(outlook: Outlook, method: str, a: float, costs: StepCosts) -> float:
     """A method's measured tokens beyond the first per round over its model's (the table's
     `tokens_per_round` at a), from this request's rounds of any of its settings, each side
@@ -267,7 +278,7 @@ def _measured_scale(outlook: Outlook, method: str, a: float, costs: StepCosts) -
     prod a_i, below the mean a to the K. So an exact drafting method (sd, msd) that has not run
     in this request takes the scale of those that have: else a method that ran would be
     corrected and one that did not would keep its model's optimism, and win on that alone. The
-    model is the one `costs` already scaled by what the profile's rounds committed."""
+    model it divides by is the profile's scaled one (`_tokens_scale`)."""
     row = method_row(method)
     own = _scale_of(outlook, a, costs, lambda r: r.name == row.name)
     if own is not None:
@@ -323,5 +334,5 @@ def _lookup_round(
     if config.proposal == "lookup":
         return 1 + kept, found * looked + (1 - found) * step
     tokens, seconds = step_costs.round_cost("sd", SDConfig(k), a, costs)
-    tokens = 1 + (tokens - 1) * _measured_scale(outlook, "sd", a, costs)
+    tokens = 1 + (tokens - 1) * _tokens_scale(outlook, "sd", SDConfig(k), a, costs)
     return 1 + kept + (1 - found) * (tokens - 1), found * looked + (1 - found) * seconds

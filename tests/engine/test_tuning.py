@@ -436,3 +436,23 @@ def test_lookup_rounds_teach_neither_the_draft_costs_nor_sds_measured_scale():
     plain = {c.config: c.predicted for c in tuner.predictions(outlook(0.6))}
     measured = tuner.predictions(outlook(0.6, measured={looked: (10, 50)}))
     assert {c.config: c.predicted for c in measured} == plain
+
+
+def test_the_profiles_token_scale_is_applied_once():
+    """The profile's rounds of sd K = 4 committed half the model's tokens beyond the first: a
+    request predicts sd K = 4 at that scale, and one whose own rounds committed just that
+    keeps it (its correction is 1). Failed on: the scale taken in both `costs.round_cost` and
+    the tuner (0.25)."""
+    costs = dataclasses.replace(FLAT, tokens_seen={("sd", 1, 4): 0.5})
+    tuner = tuning.Tuner.fixed(costs)
+    fresh = outlook(0.8)
+    a = tuner.agreement(fresh)
+    model, seconds = cm.round_cost("sd", SDConfig(4), a, costs)
+    want = (1 + (model - 1) * 0.5) / seconds
+    assert {c.config: c.predicted for c in tuner.predictions(fresh)}[SDConfig(4)] == (
+        pytest.approx(want)
+    )
+    ran = outlook(0.8, measured={SDConfig(4): (10, 10 * (1 + (model - 1) * 0.5))})
+    assert {c.config: c.predicted for c in tuner.predictions(ran)}[SDConfig(4)] == (
+        pytest.approx(want)
+    )

@@ -37,7 +37,7 @@ from smcspec.models.llama_weights import (
 from smcspec.models.rope_table import RopeTable
 from smcspec.sampling import to_device
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3")
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3_text")
 QUANTIZED = ("int8", "int4")  # CPU weight formats, each with its weight cache
 # Feeds longer than this run as successive passes of at most this many tokens per sequence, so
 # no pass builds scores [heads, T, L] over a whole long prompt: SDPA takes its math kernel
@@ -84,13 +84,20 @@ class LlamaModel:
         if dtype in QUANTIZED and self.device.type != "cpu":
             raise ValueError(f"{dtype} weights run on the CPU only; use bfloat16 on CUDA")
         self.attention = choose_attention(attention, self.device)
-        # the fused kernels rotate whole heads: a partial rotary factor runs the torch ops
-        self.fused = self.device.type != "cpu" and config.rope.dim == config.head_dim
+        # the fused kernels rotate whole heads and run Llama's layer: a partial rotary factor
+        # and Gemma's layer run the torch ops
+        self.fused = (
+            self.device.type != "cpu"
+            and config.rope.dim == config.head_dim
+            and not config.sandwich_norms
+        )
         self._gather = GatherAttention()
         self.act_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
         build = WeightBuilder(config, dtype, self.device, self.act_dtype, quantized)
         self.embed = build.tensor(weights["model.embed_tokens.weight"])
-        self.norm = build.tensor(weights["model.norm.weight"])
+        self.norm = build.norm(weights["model.norm.weight"])
+        # Gemma's sqrt(hidden), in the activations' type as Gemma rounds it
+        self.embed_scale = torch.tensor(config.embed_scale, dtype=self.act_dtype)
         self.layers, self.lm_head = build.layers(weights)
         kernel = cpu_linear.KERNEL.get() if self._on_kernel() else None
         if kernel is not None and config.head_dim % 16 == 0:
@@ -99,6 +106,8 @@ class LlamaModel:
             if isinstance(self.attention, GatherAttention):
                 self.attention = self._gather
         self.rope = RopeTable(config.rope, self.act_dtype, self.device, config.position_limit)
+        local = config.local_rope  # Gemma's sliding layers' own
+        self.local_rope = None if local is None else RopeTable(local, self.act_dtype, self.device)
         self._sinks: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def _on_kernel(self) -> bool:
@@ -216,6 +225,8 @@ class LlamaModel:
         starts = [kv.lengths[s] for s in seqs]
         ends = [s + n for s, n in zip(starts, counts, strict=True)]
         self.rope.ensure(max(ends))  # first: it may refuse, and nothing is reserved yet
+        if self.local_rope is not None:
+            self.local_rope.ensure(max(ends))
         slots = torch.cat([kv.reserve(s, n) for s, n in zip(seqs, counts, strict=True)])
         positions = torch.cat([torch.arange(s, e) for s, e in zip(starts, ends, strict=True)])
         dev = self.device
@@ -242,14 +253,27 @@ class LlamaModel:
         before the final norm. No host sync, no host tensor."""
         if self.fused:
             return self._hidden_fused(tokens, batch, kv)
-        eps = self.config.rms_eps
-        x = F.embedding(tokens, self.embed)  # [total, H]
-        cos, sin = self.rope(batch.positions)  # [total, D]
+        c = self.config
+        eps = c.rms_eps
+        x = self._embedded(tokens)  # [total, H]
+        turns = self.rope(batch.positions)  # (cos, sin) [total, D] each
+        local = turns if self.local_rope is None else self.local_rope(batch.positions)
         for i, layer in enumerate(self.layers):
-            x = x + self._attention(layer, i, _rms(x, layer.input_norm, eps), cos, sin, kv, batch)
+            cos, sin = local if c.sliding and c.sliding[i] else turns
+            h = _rms(x, layer.input_norm, eps)
+            x = x + _out_norm(
+                self._attention(layer, i, h, cos, sin, kv, batch), layer.attn_out_norm, eps
+            )
             h = _rms(x, layer.post_norm, eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            x = x + _out_norm(layer.down(_act(gate, c.activation) * up), layer.mlp_out_norm, eps)
+        return x
+
+    def _embedded(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings [total, H], times Gemma's scale where the model has one."""
+        x = F.embedding(tokens, self.embed)
+        if self.config.embed_scale != 1.0:
+            x = x * self.embed_scale.to(x.device)
         return x
 
     def _hidden_fused(
@@ -297,7 +321,7 @@ class LlamaModel:
         """
         c = self.config
         d, nh, nkv = c.head_dim, c.num_heads, c.num_kv_heads
-        x = self.embed[token][None]  # [1, H]
+        x = self._embedded(torch.tensor([token], device=self.embed.device))  # [1, H]
         self.rope.ensure(1)
         cos, sin = self.rope(torch.zeros(1, dtype=torch.long))  # identity, times yarn's factor
         keys, values = [], []
@@ -308,10 +332,11 @@ class LlamaModel:
             keys.append(_rope(k, cos, sin)[0])
             values.append(v.view(nkv, d))
             attended = v.view(nkv, 1, d).expand(nkv, nh // nkv, d).reshape(1, nh * d)
-            x = x + layer.o.banded(attended)
+            x = x + _out_norm(layer.o.banded(attended), layer.attn_out_norm, c.rms_eps)
             h = _rms(x, layer.post_norm, c.rms_eps)
             gate, up = layer.gate_up.banded(h).chunk(2, dim=-1)
-            x = x + layer.down.banded(F.silu(gate) * up)
+            mlp = layer.down.banded(_act(gate, c.activation) * up)
+            x = x + _out_norm(mlp, layer.mlp_out_norm, c.rms_eps)
         logits = self.lm_head.banded(_rms(x, self.norm, c.rms_eps))[0].float()
         return torch.stack(keys), torch.stack(values), logits
 
@@ -355,6 +380,16 @@ def _head_norms(layer: Layer, qkv: torch.Tensor, nh: int, nkv: int, eps: float) 
     q = _rms(qkv[:, :nh], layer.q_norm, eps)
     k = _rms(qkv[:, nh : nh + nkv], layer.k_norm, eps)
     return torch.cat([q, k, qkv[:, nh + nkv :]], dim=1)
+
+
+def _out_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Gemma's norm of a block's output before the residual add; x itself where none."""
+    return x if weight is None else _rms(x, weight, eps)
+
+
+def _act(gate: torch.Tensor, activation: str) -> torch.Tensor:
+    """The MLP's activation of its gate: SiLU (Llama's SwiGLU) or GeLU, tanh form (Gemma's)."""
+    return F.gelu(gate, approximate="tanh") if activation == "gelu_tanh" else F.silu(gate)
 
 
 def _opt(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:

@@ -25,7 +25,18 @@ class LlamaConfig:
     tie_embeddings: bool
     max_positions: int = 4096
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head's d of q and k, before RoPE
-    window: int = 0  # Phi-3: sliding-window attention over this many keys (0: none)
+    window: int = 0  # Phi-3, Gemma 3: sliding-window attention over this many keys (0: none)
+    # Gemma 3 (`gemma3_text`): embeddings times sqrt(hidden); norms stored as w for a scale of
+    # 1 + w (`norm_offset`, added at load); a norm after the attention and after the MLP as well
+    # as before each; GeLU (tanh) in the MLP; scores scaled by query_pre_attn_scalar^-1/2, as
+    # `query_scale` times the usual head_dim^-1/2; its sliding layers on a RoPE of their own.
+    embed_scale: float = 1.0
+    norm_offset: float = 0.0
+    sandwich_norms: bool = False
+    activation: str = "silu"  # or "gelu_tanh"
+    query_scale: float = 1.0
+    local_rope: rope.Rope | None = None
+    sliding: tuple[bool, ...] = ()  # per layer: on local_rope (empty: none)
 
     @property
     def context_length(self) -> int:
@@ -63,6 +74,8 @@ class LlamaConfig:
             )
         # Phi-3: a query sees the window's last keys; sequences up to it are full attention
         window = int(cfg.get("sliding_window") or 0) if kind == "phi3" else 0
+        if kind == "gemma3_text":
+            return _gemma3(cfg, heads, head_dim)
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -90,3 +103,52 @@ class LlamaConfig:
 
             return cls.from_hf(gguf_loader.config(path))
         return cls.from_hf(json.loads((path / "config.json").read_text()))
+
+
+def _gemma3(cfg: dict, heads: int, head_dim: int) -> LlamaConfig:
+    """Gemma 3's text model. Its sliding layers see their window's last keys: the engine runs
+    it up to the window (`position_limit`), where every layer is full attention."""
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(name) is not None:
+            raise ValueError(f"this Gemma config sets {name}: the native engine has no capping")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("this Gemma config attends both ways: the native engine is causal")
+    activation = cfg.get("hidden_activation") or "gelu_pytorch_tanh"
+    if activation != "gelu_pytorch_tanh":
+        raise ValueError(f"Gemma's activation {activation!r} is not one the native engine runs")
+    layers = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types")
+    if types is None:  # older configs: every pattern-th layer global
+        pattern = int(cfg.get("sliding_window_pattern") or 6)
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding" for i in range(layers)]
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params:  # transformers 5: one set per layer type
+        full = {**cfg, "rope_parameters": params["full_attention"], "rope_scaling": None}
+        local = {"rope_parameters": params.get("sliding_attention") or {}}
+    else:
+        full, local = cfg, {"rope_theta": cfg.get("rope_local_base_freq") or 10000.0}
+    hidden = int(cfg["hidden_size"])
+    return LlamaConfig(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads", heads),
+        head_dim=head_dim,
+        rope=rope.from_hf(full, head_dim),
+        rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        qkv_bias=bool(cfg.get("attention_bias", False)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        max_positions=int(cfg.get("max_position_embeddings") or 32768),
+        qk_norm=True,
+        window=int(cfg.get("sliding_window") or 0),
+        embed_scale=hidden**0.5,
+        norm_offset=1.0,
+        sandwich_norms=True,
+        activation="gelu_tanh",
+        query_scale=(head_dim / float(cfg.get("query_pre_attn_scalar") or head_dim)) ** 0.5,
+        local_rope=rope.from_hf(local, head_dim),
+        sliding=tuple(t != "full_attention" for t in types),
+    )
+

@@ -33,6 +33,8 @@ class Layer:
     down: Linear  # I -> H
     q_norm: torch.Tensor | None = None  # [D], Qwen3's per-head norm of q (None: none)
     k_norm: torch.Tensor | None = None  # [D], of k
+    attn_out_norm: torch.Tensor | None = None  # [H], Gemma's norm of the attention's output
+    mlp_out_norm: torch.Tensor | None = None  # [H], of the MLP's
 
 
 class WeightBuilder:
@@ -53,6 +55,11 @@ class WeightBuilder:
 
     def tensor(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device, self.act_dtype)
+
+    def norm(self, t: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        """A norm's weight as the model multiplies by it: Gemma stores w for 1 + w
+        (`norm_offset`), in float32 as Gemma adds it; `scale` folds a constant in."""
+        return self.tensor((t.float() + self.config.norm_offset) * scale)
 
     def layers(self, w: Mapping[str, torch.Tensor]) -> tuple[list[Layer], Linear]:
         """Every layer and the LM head. Packing int8 weights (fbgemm) and quantizing them take
@@ -85,14 +92,21 @@ class WeightBuilder:
             qkv = [a + "qkv_proj.weight"]
         if p + "mlp.gate_up_proj.weight" in w:
             gate_up = [p + "mlp.gate_up_proj.weight"]
+        c = self.config
         norms = {}
-        if self.config.qk_norm:
-            norms = {f"{x}_norm": self.tensor(w.pop(a + f"{x}_norm.weight")) for x in "qk"}
+        if c.qk_norm:  # q's folds in Gemma's query scale (scores are linear in q)
+            scales = {"q": c.query_scale, "k": 1.0}
+            norms = {f"{x}_norm": self.norm(w.pop(a + f"{x}_norm.weight"), scales[x]) for x in "qk"}
+        before_mlp = "post_attention_layernorm"
+        if c.sandwich_norms:  # Gemma: its post-attention norm is on the attention's output
+            before_mlp = "pre_feedforward_layernorm"
+            norms["attn_out_norm"] = self.norm(w.pop(p + "post_attention_layernorm.weight"))
+            norms["mlp_out_norm"] = self.norm(w.pop(p + "post_feedforward_layernorm.weight"))
         return Layer(
-            input_norm=self.tensor(w.pop(p + "input_layernorm.weight")),
+            input_norm=self.norm(w.pop(p + "input_layernorm.weight")),
             qkv=self.linear(w, a + "qkv", qkv, qkv_bias),
             o=self.linear(w, a + "o", [a + "o_proj.weight"]),
-            post_norm=self.tensor(w.pop(p + "post_attention_layernorm.weight")),
+            post_norm=self.norm(w.pop(p + f"{before_mlp}.weight")),
             gate_up=self.linear(w, p + "mlp.gate_up", gate_up),
             down=self.linear(w, p + "mlp.down", [p + "mlp.down_proj.weight"]),
             **norms,
@@ -228,7 +242,7 @@ def random_weights(config: LlamaConfig, device: str | torch.device, seed: int = 
         return torch.randn(*shape, generator=g, device=device) * 0.02
 
     w = {"model.embed_tokens.weight": normal(c.vocab_size, h)}
-    w["model.norm.weight"] = torch.ones(h, device=device)
+    w["model.norm.weight"] = torch.full((h,), 1.0 - c.norm_offset, device=device)
     if not c.tie_embeddings:
         w["lm_head.weight"] = normal(c.vocab_size, h)
     for n in range(c.num_layers):
@@ -240,11 +254,14 @@ def random_weights(config: LlamaConfig, device: str | torch.device, seed: int = 
                 w[a + f"{name}_proj.bias"] = normal(rows)
         w[a + "o_proj.weight"] = normal(h, c.num_heads * d)
         if c.qk_norm:
-            w[a + "q_norm.weight"] = torch.ones(d, device=device)
-            w[a + "k_norm.weight"] = torch.ones(d, device=device)
+            w[a + "q_norm.weight"] = torch.full((d,), 1.0 - c.norm_offset, device=device)
+            w[a + "k_norm.weight"] = torch.full((d,), 1.0 - c.norm_offset, device=device)
         w[p + "mlp.gate_proj.weight"] = normal(i, h)
         w[p + "mlp.up_proj.weight"] = normal(i, h)
         w[p + "mlp.down_proj.weight"] = normal(h, i)
-        w[p + "input_layernorm.weight"] = torch.ones(h, device=device)
-        w[p + "post_attention_layernorm.weight"] = torch.ones(h, device=device)
+        norms = ["input_layernorm", "post_attention_layernorm"]
+        if c.sandwich_norms:
+            norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+        for name in norms:  # a scale of 1, however the model stores it
+            w[p + f"{name}.weight"] = torch.full((h,), 1.0 - c.norm_offset, device=device)
     return w

@@ -1,0 +1,112 @@
+"""Gemma 3's text model on the native engine: embeddings scaled by sqrt(hidden), norms stored
+as w for a scale of 1 + w, a norm on the attention's and the MLP's outputs as well as before
+each, GeLU (tanh), scores scaled by query_pre_attn_scalar, per-head q/k norms, and its sliding
+layers on a RoPE base of their own. Logits against transformers' Gemma3ForCausalLM on the same
+random weights, up to the sliding window (where every layer is full attention, and the limit
+the engine runs such a model to); int8 on the kernel close to float32."""
+
+import pytest
+import torch
+
+from smcspec.models import loader
+from smcspec.models.llama import LlamaModel
+from smcspec.models.llama_config import LlamaConfig
+from tests.models.test_llama import reference
+from tests.models.test_qwen3 import FEEDS, STEPS, assert_close_in_kl, logits
+
+VOCAB = 64  # a multiple of 16: the output layer on the kernel too
+WINDOW = 12  # FEEDS then STEPS reach 7 positions: inside it
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    folder = tmp_path_factory.mktemp("tiny-gemma3")
+    config = Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        sliding_window=WINDOW, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    )  # fmt: skip
+    torch.manual_seed(5)
+    hf = Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for _, p in hf.named_parameters():  # norms' w around 0: scales around 1, none equal
+            p.copy_(torch.randn_like(p) * 0.3)
+    hf.save_pretrained(folder)
+    return hf, folder
+
+
+def test_the_config_reads_gemmas_switches(gemma3):
+    _, folder = gemma3
+    c = LlamaConfig.read(folder)
+    assert c.sandwich_norms and c.qk_norm and c.tie_embeddings and c.activation == "gelu_tanh"
+    assert (c.norm_offset, c.embed_scale) == (1.0, 32**0.5)
+    assert c.query_scale == pytest.approx((16 / 24) ** 0.5)
+    assert c.sliding == (True, True, False) and c.window == WINDOW
+    assert (c.rope.theta, c.local_rope.theta) == (1_000_000.0, 10_000.0)
+    assert c.context_length == WINDOW
+    assert loader.native_refusal(str(folder)) is None
+
+
+def test_logits_match_transformers_on_a_ragged_batch(gemma3):
+    hf, folder = gemma3
+    model = LlamaModel.from_folder(folder)
+    for feed, step, out in zip(FEEDS, STEPS, logits(model, FEEDS, STEPS), strict=True):
+        torch.testing.assert_close(out, reference(hf, feed + step), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "drop", ["output norms", "query scale", "local rope", "embedding scale", "norm offset"]
+)
+def test_each_switch_matters_on_these_weights(gemma3, drop):
+    """The same model with one of Gemma's switches undone misses transformers by far: the
+    match above is no accident of weights that hide them."""
+    hf, folder = gemma3
+    model = LlamaModel.from_folder(folder)
+    for layer in model.layers:
+        if drop == "output norms":
+            layer.attn_out_norm = layer.mlp_out_norm = None
+        elif drop == "query scale":
+            layer.q_norm = layer.q_norm / model.config.query_scale
+        elif drop == "norm offset":
+            layer.input_norm = layer.input_norm - 1.0
+    if drop == "local rope":
+        model.local_rope = None
+    elif drop == "embedding scale":
+        model.embed_scale = torch.tensor(1.0)
+    out = logits(model, FEEDS, STEPS)[0]
+    assert (out - reference(hf, FEEDS[0] + STEPS[0])).abs().max() > 1e-2
+
+
+def test_a_position_past_the_sliding_window_is_refused_naming_why(gemma3):
+    _, folder = gemma3
+    model = LlamaModel.from_folder(folder)
+    kv = model.new_kv(32, 4)
+    seq = kv.new_sequence()
+    model.forward_ragged(kv, [seq], [torch.arange(WINDOW) % VOCAB], [1])  # the last fits
+    with pytest.raises(ValueError, match="sliding window"):
+        model.forward_ragged(kv, [seq], [torch.tensor([3])], [1])
+
+
+def test_int8_on_the_kernel_is_close_to_float32(gemma3):
+    """int8 (position 0 computed apart, through Gemma's layer too) against the float model."""
+    hf, folder = gemma3
+    assert_close_in_kl(LlamaModel.from_folder(folder, dtype="int8"), hf)
+
+
+def test_a_capped_or_bidirectional_gemma_is_refused_before_loading():
+    base = {
+        "model_type": "gemma3_text", "vocab_size": 64, "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+        "head_dim": 16,
+    }  # fmt: skip
+    for extra, named in (
+        ({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+        ({"use_bidirectional_attention": True}, "both ways"),
+        ({"hidden_activation": "relu"}, "relu"),
+    ):
+        with pytest.raises(ValueError, match=named):
+            LlamaConfig.from_hf({**base, **extra})

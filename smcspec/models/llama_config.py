@@ -151,4 +151,3 @@ def _gemma3(cfg: dict, heads: int, head_dim: int) -> LlamaConfig:
         local_rope=rope.from_hf(local, head_dim),
         sliding=tuple(t != "full_attention" for t in types),
     )
-

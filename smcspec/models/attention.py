@@ -71,11 +71,15 @@ class Attention(Protocol):
     paged: bool  # reads block tables (else a GatherPlan)
     graph_safe: bool  # no host sync and fixed shapes: may run inside a CUDA graph
 
+    # whether `window` is honoured (a sliding-window layer's last keys): the model runs a
+    # sliding-window model past its window only on an implementation that masks it
+    windows: bool
+
     def __call__(
-        self, q: torch.Tensor, kv: PagedKVCache, layer: int, batch: ForwardBatch
+        self, q: torch.Tensor, kv: PagedKVCache, layer: int, batch: ForwardBatch, window: int = 0
     ) -> torch.Tensor:
         """Attention of new queries q [total, nh, d] over the cache (their own keys already
-        written); returns [total, nh, d]."""
+        written), each over its last `window` keys (0: all before it); returns [total, nh, d]."""
         ...
 
 
@@ -88,6 +92,7 @@ class GatherAttention:
 
     paged = False
     graph_safe = False
+    windows = True
 
     def __init__(self, attend: Callable[..., torch.Tensor] | None = None) -> None:
         self.attend = attend
@@ -123,7 +128,7 @@ class GatherAttention:
         return GatherPlan(key_slots, query_index, query_rows, mask, tmax, row_seq)
 
     def __call__(
-        self, q: torch.Tensor, kv: PagedKVCache, layer: int, batch: ForwardBatch
+        self, q: torch.Tensor, kv: PagedKVCache, layer: int, batch: ForwardBatch, window: int = 0
     ) -> torch.Tensor:
         """Scaled-dot-product attention (grouped-query: nh is a multiple of the kv heads)."""
         p = batch.gather
@@ -132,7 +137,8 @@ class GatherAttention:
         flat_v = kv.v[layer].view(-1, *kv.v.shape[-2:])
         if self.attend is not None:
             scale = q.shape[-1] ** -0.5
-            return self.attend(q, flat_k, flat_v, p.key_slots, p.row_seq, batch.positions, scale)
+            args = (q, flat_k, flat_v, p.key_slots, p.row_seq, batch.positions, scale)
+            return self.attend(*args, window)
         keys = flat_k[p.key_slots].transpose(1, 2)  # [B, nkv, Lmax, d]
         values = flat_v[p.key_slots].transpose(1, 2)
         b = p.key_slots.shape[0]
@@ -140,19 +146,35 @@ class GatherAttention:
             queries = q.view(b, p.tmax, *q.shape[1:]).transpose(1, 2)  # [B, nh, T, d]
         else:
             queries = q[p.query_index].transpose(1, 2)  # [B, nh, Tmax, d]
-        causal = p.mask is None and p.tmax > 1  # a prefill from an empty cache (see plan)
+        mask = p.mask
+        causal = mask is None and p.tmax > 1  # a prefill from an empty cache (see plan)
+        if 0 < window < p.key_slots.shape[1]:  # some key is out of some query's window
+            mask, causal = _window_mask(p, batch.positions, window), False
         out = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=p.mask, is_causal=causal, enable_gqa=True
+            queries, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=True
         ).transpose(1, 2)  # [B, Tmax, nh, d]
         out = out.reshape(-1, *q.shape[1:])  # [B * Tmax, nh, d]
         return out if p.query_rows is None else out[p.query_rows]  # [total, nh, d] flat order
 
 
+def _window_mask(p: GatherPlan, positions: torch.Tensor, window: int) -> torch.Tensor:
+    """[B, 1, Tmax, Lmax]: each query sees the keys at its position and the window - 1 before
+    it (within its sequence: a key past a sequence's end is past its queries too); the plan's
+    padded query rows take row 0's position and are dropped after attention."""
+    b, lmax = p.key_slots.shape
+    index = p.query_index if p.query_index is not None else torch.arange(b * p.tmax).view(b, -1)
+    q_pos = positions[index.to(positions.device)][:, :, None]  # [B, Tmax, 1]
+    k_pos = torch.arange(lmax, device=positions.device)[None, None, :]
+    return ((k_pos <= q_pos) & (k_pos > q_pos - window))[:, None]
+
+
 class PagedAttention:
     """Reads keys through the page tables (`paged_attention`); `kernel` is "triton" or
-    "reference" (plain torch, the same function, any device)."""
+    "reference" (plain torch, the same function, any device). It attends to every key before
+    a query: a sliding-window model runs on it up to its window only."""
 
     paged = True
+    windows = False
 
     def __init__(self, kernel: str) -> None:
         self.name = f"paged-{kernel}"
@@ -162,7 +184,7 @@ class PagedAttention:
         self._fn = fns[kernel]
 
     def __call__(
-        self, q: torch.Tensor, kv: PagedKVCache, layer: int, batch: ForwardBatch
+        self, q: torch.Tensor, kv: PagedKVCache, layer: int, batch: ForwardBatch, window: int = 0
     ) -> torch.Tensor:
         assert batch.block_tables is not None and batch.seq_index is not None
         scale = q.shape[-1] ** -0.5

@@ -71,13 +71,13 @@ class _Count(TorchDispatchMode):
 class _StubAttention:
     """What `PagedAttention` does on CUDA, as the count sees it: `launches` kernels."""
 
-    name, paged, graph_safe = "stub", True, True
+    name, paged, graph_safe, windows = "stub", True, True, False
 
     def __init__(self, count: _Count, launches: int) -> None:
         self.count, self.launches = count, launches
 
     def __call__(
-        self, q: torch.Tensor, kv: PagedKVCache, layer: int, batch: ForwardBatch
+        self, q: torch.Tensor, kv: PagedKVCache, layer: int, batch: ForwardBatch, window: int = 0
     ) -> torch.Tensor:
         self.count.ops["attention"] += self.launches
         return torch.empty_like(q)  # [total, nh, d]

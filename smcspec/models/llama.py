@@ -105,7 +105,11 @@ class LlamaModel:
             self._gather = GatherAttention(kernel.attend)
             if isinstance(self.attention, GatherAttention):
                 self.attention = self._gather
-        self.rope = RopeTable(config.rope, self.act_dtype, self.device, config.position_limit)
+        # a sliding window is masked where the attention (every path a feed may take) can
+        masks = self.attention.windows and self._gather.windows
+        self.context_length = config.context_length(masks)
+        limit = config.position_limit(masks)
+        self.rope = RopeTable(config.rope, self.act_dtype, self.device, limit)
         local = config.local_rope  # Gemma's sliding layers' own
         self.local_rope = None if local is None else RopeTable(local, self.act_dtype, self.device)
         self._sinks: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -359,7 +363,8 @@ class LlamaModel:
             qk = _rope(qkv[:, : nh + nkv], cos, sin)  # q and k heads rotated together
             q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]
             kv.write(index, batch.slots, k, v)
-        out = (batch.attention or self.attention)(q, kv, index, batch)  # [total, nh, d]
+        attention = batch.attention or self.attention
+        out = attention(q, kv, index, batch, c.window_of(index))  # [total, nh, d]
         return layer.o(out.reshape(-1, nh * d))
 
 

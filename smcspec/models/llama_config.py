@@ -38,24 +38,28 @@ class LlamaConfig:
     local_rope: rope.Rope | None = None
     sliding: tuple[bool, ...] = ()  # per layer: on local_rope (empty: none)
 
-    @property
-    def context_length(self) -> int:
+    def context_length(self, masks_window: bool = False) -> int:
         """The longest sequence the native engine runs: max_position_embeddings, or less where
         `position_limit` bounds it."""
-        limit = self.position_limit
+        limit = self.position_limit(masks_window)
         return self.max_positions if limit is None else min(self.max_positions, limit[0])
 
-    @property
-    def position_limit(self) -> tuple[int, str] | None:
-        """(the positions the native engine runs this model to, why), None for no bound: up to
-        a sliding window attention is full (a query sees every key), and longrope's short
-        factors hold up to the original context (`rope`)."""
+    def position_limit(self, masks_window: bool = False) -> tuple[int, str] | None:
+        """(the positions the native engine runs this model to, why), None for no bound: on an
+        attention that does not mask a sliding window (`masks_window` False), up to the window,
+        where attention is full (a query sees every key); longrope's short factors hold up to
+        the original context (`rope`)."""
         bounds = []
-        if self.window:
+        if self.window and not masks_window:
             bounds.append((self.window, "full attention up to its sliding window"))
         if self.rope.limit:
             bounds.append((self.rope.limit, "longrope's short factors up to its original context"))
         return min(bounds, default=None)
+
+    def window_of(self, layer: int) -> int:
+        """The keys layer `layer` sees before a query: the window where it slides (every layer
+        of Phi-3's, Gemma's `sliding` ones), 0 for all."""
+        return self.window if not self.sliding or self.sliding[layer] else 0
 
     @classmethod
     def from_hf(cls, cfg: dict) -> LlamaConfig:
@@ -106,8 +110,7 @@ class LlamaConfig:
 
 
 def _gemma3(cfg: dict, heads: int, head_dim: int) -> LlamaConfig:
-    """Gemma 3's text model. Its sliding layers see their window's last keys: the engine runs
-    it up to the window (`position_limit`), where every layer is full attention."""
+    """Gemma 3's text model: its sliding layers see their window's last keys."""
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
         if cfg.get(name) is not None:
             raise ValueError(f"this Gemma config sets {name}: the native engine has no capping")

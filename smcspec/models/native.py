@@ -71,7 +71,7 @@ class NativeCausalLM:
         self.model = model
         self.vocab_size = model.config.vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.context_length = model.config.context_length
+        self.context_length = model.context_length
         self.device = model.device
         self.kv = model.new_kv(num_pages, page_size)
         self.pages = self.kv.allocator
@@ -159,7 +159,7 @@ def pool_pages(models: Sequence[LlamaModel], limits: EngineLimits) -> int:
         pages, flag = int(budget // per_page) - 1, "--kv-memory"
     assert pages is not None
     for model in models:
-        context = model.config.context_length
+        context = model.context_length
         if pages * limits.page_size < context:
             raise ValueError(
                 f"a KV pool of {max(pages, 0)} pages x {limits.page_size} positions cannot hold "

@@ -16,16 +16,17 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def attend(*args):
-    return cpu_linear.KERNEL.get().attend(*args)
+def attend(*args, window=0):
+    return cpu_linear.KERNEL.get().attend(*args, window)
 
 
-def reference(q, k, v, key_slots, row_seq, positions, scale):
-    """The definition in float64: row t over its sequence's keys 0 .. positions[t]."""
+def reference(q, k, v, key_slots, row_seq, positions, scale, window=0):
+    """The definition in float64: row t over its sequence's keys 0 .. positions[t] (the last
+    `window` of them where window > 0)."""
     group = q.shape[1] // k.shape[1]
     out = torch.empty(q.shape, dtype=torch.float64)
     for t, (b, p) in enumerate(zip(row_seq.tolist(), positions.tolist(), strict=True)):
-        slots = key_slots[b, : p + 1]
+        slots = key_slots[b, max(0, p - window + 1) if window else 0 : p + 1]
         keys = k[slots].double().repeat_interleave(group, 1)  # [L, nh, d]
         values = v[slots].double().repeat_interleave(group, 1)
         scores = torch.einsum("hd,lhd->hl", q[t].double(), keys) * scale
@@ -84,6 +85,21 @@ def test_a_row_is_the_same_bits_alone_in_its_block_and_beside_other_sequences(sh
     remap = torch.argsort(flip)[row_seq[order]]
     again = attend(q[order], k, v, wide, remap, positions[order], scale)
     assert torch.equal(again, together[order])
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 17, 40])
+def test_a_sliding_window_sees_its_last_keys_and_a_row_keeps_its_bits(window):
+    """Windows inside a block of 16 keys, at one, across blocks, longer than some sequences:
+    the definition within float32 rounding, and each row alone the same bits as together."""
+    q, k, v, key_slots, row_seq, positions, scale = batch(*FEEDS[3], *SHAPES[0])
+    together = attend(q, k, v, key_slots, row_seq, positions, scale, window=window)
+    want = reference(q, k, v, key_slots, row_seq, positions, scale, window)
+    assert (together.double() - want).abs().max() < 2e-6
+    for t in range(q.shape[0]):
+        b, p = int(row_seq[t]), int(positions[t])
+        alone = attend(q[t : t + 1], k, v, key_slots[b : b + 1, : p + 1], row_seq[:1] * 0,
+                       positions[t : t + 1], scale, window=window)  # fmt: skip
+        assert torch.equal(alone[0], together[t]), t
 
 
 def test_bad_inputs_are_refused_naming_them():

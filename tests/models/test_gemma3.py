@@ -1,9 +1,10 @@
 """Gemma 3's text model on the native engine: embeddings scaled by sqrt(hidden), norms stored
 as w for a scale of 1 + w, a norm on the attention's and the MLP's outputs as well as before
 each, GeLU (tanh), scores scaled by query_pre_attn_scalar, per-head q/k norms, and its sliding
-layers on a RoPE base of their own. Logits against transformers' Gemma3ForCausalLM on the same
-random weights, up to the sliding window (where every layer is full attention, and the limit
-the engine runs such a model to); int8 on the kernel close to float32."""
+layers on a RoPE base of their own, over their window's last keys. Logits against transformers'
+Gemma3ForCausalLM on the same random weights, past the sliding window, on both CPU attention
+paths (PyTorch's over gathered keys in float32, the kernel's in int8); on the paged attention,
+which does not mask a window, the model runs up to it and a position past it is refused."""
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from tests.models.test_llama import reference
 from tests.models.test_qwen3 import FEEDS, STEPS, assert_close_in_kl, logits
 
 VOCAB = 64  # a multiple of 16: the output layer on the kernel too
-WINDOW = 12  # FEEDS then STEPS reach 7 positions: inside it
+WINDOW = 4  # FEEDS then STEPS reach 7 positions: past it
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,8 @@ def test_the_config_reads_gemmas_switches(gemma3):
     assert c.query_scale == pytest.approx((16 / 24) ** 0.5)
     assert c.sliding == (True, True, False) and c.window == WINDOW
     assert (c.rope.theta, c.local_rope.theta) == (1_000_000.0, 10_000.0)
-    assert c.context_length == WINDOW
+    assert c.context_length() == WINDOW and c.context_length(masks_window=True) == 256
+    assert [c.window_of(i) for i in range(3)] == [WINDOW, WINDOW, 0]
     assert loader.native_refusal(str(folder)) is None
 
 
@@ -80,9 +82,30 @@ def test_each_switch_matters_on_these_weights(gemma3, drop):
     assert (out - reference(hf, FEEDS[0] + STEPS[0])).abs().max() > 1e-2
 
 
-def test_a_position_past_the_sliding_window_is_refused_naming_why(gemma3):
+def test_a_long_sequence_in_pieces_matches_transformers(gemma3):
+    """30 positions (7 windows): a 13-token prefill, a 9-token chunk over it, then steps."""
+    hf, folder = gemma3
+    ids = [(7 * i + 3) % VOCAB for i in range(30)]
+    for model in (LlamaModel.from_folder(folder), LlamaModel.from_folder(folder, dtype="int8")):
+        kv = model.new_kv(32, 4)
+        seq = kv.new_sequence()
+        pieces = [ids[:13], ids[13:22], *([t] for t in ids[22:])]
+        out = torch.cat(
+            [model.forward_ragged(kv, [seq], [torch.tensor(p)], [len(p)])[0] for p in pieces]
+        )
+        want = reference(hf, ids)
+        if model.dtype == "float32":
+            torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+        else:  # int8: near, position by position
+            kl = torch.nn.functional.kl_div(
+                out.log_softmax(-1), want.log_softmax(-1), log_target=True, reduction="none"
+            ).sum(-1)
+            assert kl.max() < 0.02, kl
+
+
+def test_on_the_paged_attention_a_position_past_the_window_is_refused(gemma3):
     _, folder = gemma3
-    model = LlamaModel.from_folder(folder)
+    model = LlamaModel.from_folder(folder, attention="reference")
     kv = model.new_kv(32, 4)
     seq = kv.new_sequence()
     model.forward_ragged(kv, [seq], [torch.arange(WINDOW) % VOCAB], [1])  # the last fits

@@ -62,9 +62,9 @@ def test_the_config_reads_phi3s_switches(phi4_mini, phi3_mini):
     config = LlamaConfig.read(phi4_mini[1])
     assert (config.rope.scaling, config.rope.dim, config.head_dim) == ("longrope", 6, 8)
     assert config.rope.freq_factors == tuple(SHORT) and config.rope.attention_factor > 1
-    assert config.context_length == ORIGINAL
+    assert config.context_length() == ORIGINAL
     mini = LlamaConfig.read(phi3_mini[1])
-    assert (mini.rope.scaling, mini.rope.dim, mini.window, mini.context_length) == (
+    assert (mini.rope.scaling, mini.rope.dim, mini.window, mini.context_length()) == (
         "default", 8, 48, 48,
     )  # fmt: skip
 
@@ -101,17 +101,32 @@ def test_the_unrotated_dimensions_and_the_factors_matter(phi4_mini, monkeypatch)
 
 def test_a_position_past_the_limit_is_refused_naming_why(phi4_mini, phi3_mini):
     """Up to the limit the model runs; one position more is a ValueError that says why
-    (longrope's short factors; the sliding window), before anything is written."""
-    for (_, folder), why, limit in (
-        (phi4_mini, "original context", ORIGINAL),
-        (phi3_mini, "sliding window", 48),
+    (longrope's short factors; the sliding window, on the paged attention, which does not mask
+    one), before anything is written."""
+    for (_, folder), why, limit, attention in (
+        (phi4_mini, "original context", ORIGINAL, "auto"),
+        (phi3_mini, "sliding window", 48, "reference"),
     ):
-        model = LlamaModel.from_folder(folder)
+        model = LlamaModel.from_folder(folder, attention=attention)
         kv = model.new_kv(32, 4)
         seq = kv.new_sequence()
         model.forward_ragged(kv, [seq], [torch.arange(limit) % VOCAB], [1])  # the last fits
         with pytest.raises(ValueError, match=why):
             model.forward_ragged(kv, [seq], [torch.tensor([3])], [1])
+
+
+def test_past_its_window_phi3_matches_transformers_on_the_cpus_attention(phi3_mini):
+    """60 positions over a window of 48: a 50-token prefill, then steps past the window."""
+    hf, folder = phi3_mini
+    model = LlamaModel.from_folder(folder)
+    ids = [(5 * i + 1) % VOCAB for i in range(60)]
+    kv = model.new_kv(32, 4)
+    seq = kv.new_sequence()
+    pieces = [ids[:50], *([t] for t in ids[50:])]
+    out = torch.cat(
+        [model.forward_ragged(kv, [seq], [torch.tensor(p)], [len(p)])[0] for p in pieces]
+    )
+    torch.testing.assert_close(out, reference(hf, ids), rtol=1e-4, atol=1e-4)
 
 
 def test_int8_on_the_kernel_is_close_to_float32(phi4_mini):
@@ -184,8 +199,8 @@ def test_a_gguf_file_loads_the_same_model(which, request, tmp_path):
     model = LlamaModel.from_gguf(tmp_path / "phi3.gguf")
     want = LlamaConfig.read(folder)
     got = model.config
-    assert (got.rope.dim, got.rope.scaling, got.window, got.context_length) == (
-        want.rope.dim, want.rope.scaling, want.window, want.context_length,
+    assert (got.rope.dim, got.rope.scaling, got.window, got.context_length()) == (
+        want.rope.dim, want.rope.scaling, want.window, want.context_length(),
     )  # fmt: skip
     assert got.rope.attention_factor == pytest.approx(want.rope.attention_factor)
     for feed, step, out in zip(FEEDS, STEPS, logits(model, FEEDS, STEPS), strict=True):

@@ -7,7 +7,11 @@
 //
 // Row t (of sequence row_seq[t], at position positions[t]) and query head h (kv head h / G):
 //
-//   out[t, h] = sum_j softmax_j(scale * q[t, h] . k_j) v_j,   j = 0 .. positions[t],
+//   out[t, h] = sum_j softmax_j(scale * q[t, h] . k_j) v_j,   j = lo_t .. positions[t],
+//
+// lo_t = 0, or positions[t] - window + 1 (at least 0) for a sliding-window layer (window > 0):
+// the keys of the row's first block below lo_t get weight 0, blocks wholly below it are skipped,
+// so the blocks stay aligned to absolute positions and the row's sums its own.
 //
 // with k_j, v_j at slot key_slots[row_seq[t], j] of k, v [slots, kv heads, d]. The keys run in
 // blocks of kBlock by absolute position, under an online softmax (a block's maximum, the running
@@ -198,13 +202,18 @@ float softmax_block(const float* s, int64_t jn, float& m, float& l, float* p) {
 // and head its 16 scores, the online softmax, and the values.
 void attend_rows(const float* q, const float* k, const float* v, const int64_t* slots,
                  const int64_t* pos, int64_t r0, int64_t r1, int64_t nh, int64_t h0,
-                 int64_t group, int64_t d, int64_t slot_stride, float scale, float* out) {
+                 int64_t group, int64_t d, int64_t slot_stride, float scale, int64_t window,
+                 float* out) {
   const int64_t heads = (r1 - r0) * group;
-  std::vector<float> acc(heads * d, 0.0f), m(heads, -std::numeric_limits<float>::infinity()),
-      l(heads, 0.0f), kt(d * kLanes);
-  int64_t last = 0;
-  for (int64_t r = r0; r < r1; ++r) last = std::max(last, pos[r]);
-  for (int64_t j0 = 0; j0 <= last; j0 += kBlock) {
+  const float none = -std::numeric_limits<float>::infinity();
+  std::vector<float> acc(heads * d, 0.0f), m(heads, none), l(heads, 0.0f), kt(d * kLanes);
+  auto low = [&](int64_t r) { return window > 0 ? std::max<int64_t>(0, pos[r] - window + 1) : 0; };
+  int64_t last = 0, first = pos[r0];
+  for (int64_t r = r0; r < r1; ++r) {
+    last = std::max(last, pos[r]);
+    first = std::min(first, low(r));
+  }
+  for (int64_t j0 = first / kBlock * kBlock; j0 <= last; j0 += kBlock) {
     const int64_t block = std::min<int64_t>(kBlock, last + 1 - j0);
     for (int64_t jj = 0; jj < kLanes; ++jj) {
       const float* kj = k + slots[j0 + std::min(jj, block - 1)] * slot_stride;
@@ -213,8 +222,10 @@ void attend_rows(const float* q, const float* k, const float* v, const int64_t* 
     const float* vj[kBlock];
     for (int64_t jj = 0; jj < block; ++jj) vj[jj] = v + slots[j0 + jj] * slot_stride;
     for (int64_t r = r0; r < r1; ++r) {
-      if (pos[r] < j0) continue;
+      const int64_t lo = low(r);
+      if (pos[r] < j0 || j0 + kBlock <= lo) continue;
       const int64_t jn = std::min<int64_t>(kBlock, pos[r] + 1 - j0);
+      const int64_t skip = std::max<int64_t>(0, lo - j0);  // keys below the window
       for (int64_t g = 0; g < group; g += 2) {
         const int heads = group - g >= 2 ? 2 : 1;  // two heads a call, one left where odd
         const float* qs[2];
@@ -232,6 +243,7 @@ void attend_rows(const float* q, const float* k, const float* v, const int64_t* 
           scores<1>(qs, kt.data(), d, scale, sp);
         for (int h = 0; h < heads; ++h) {
           const int64_t at = (r - r0) * group + g + h;
+          for (int64_t jj = 0; jj < skip; ++jj) s[h][jj] = none;  // weight exactly 0
           factor[h] = softmax_block(s[h], jn, m[at], l[at], w[h]);
         }
         if (heads == 2)
@@ -254,9 +266,11 @@ constexpr int64_t kRowsPerItem = 16;  // rows of one sequence that share a pass 
 }  // namespace
 
 // q [T, nh, d], k and v [slots, nkv, d] float32; key_slots [B, L] int64 (sequence b's key j at
-// slot key_slots[b, j]); row_seq, positions [T] int64. Returns out [T, nh, d].
+// slot key_slots[b, j]); row_seq, positions [T] int64; window: keys a row sees (0: all before
+// it). Returns out [T, nh, d].
 torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor key_slots,
-                     torch::Tensor row_seq, torch::Tensor positions, double scale) {
+                     torch::Tensor row_seq, torch::Tensor positions, double scale,
+                     int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(),
               "attend: q [T, nh, d], k and v [slots, nkv, d]");
   TORCH_CHECK(q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat &&
@@ -293,7 +307,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
     for (int64_t item = begin; item < end; ++item) {
       const int64_t c = item / nkv, h = item % nkv, r0 = starts[c];
       attend_rows(qp, kp + h * d, vp + h * d, sp + seq[r0] * width, pos, r0, starts[c + 1], nh,
-                  h * group, group, d, nkv * d, static_cast<float>(scale), op);
+                  h * group, group, d, nkv * d, static_cast<float>(scale), window, op);
     }
   });
   return out;

@@ -908,7 +908,8 @@ std::vector<int64_t> set_amx_rows(int64_t bits, int64_t tiles_from, int64_t bf16
 
 // cpu_attention.cpp
 torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor key_slots,
-                     torch::Tensor row_seq, torch::Tensor positions, double scale);
+                     torch::Tensor row_seq, torch::Tensor positions, double scale,
+                     int64_t window);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "y [M, N] = x [M, K] W^T, W int4 or int8 per group (see the source)");
@@ -917,6 +918,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_amx_rows", &set_amx_rows,
         "(bits, int8 tiles from, bf16 tiles from): rows from which AMX runs, 0 never; old pair");
   m.def("attend", &attend,
-        "causal attention over KV slots, each row's arithmetic fixed by the row alone "
-        "(cpu_attention.cpp)");
+        "causal attention over KV slots (a sliding window's last keys where window > 0), each "
+        "row's arithmetic fixed by the row alone (cpu_attention.cpp)", py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("key_slots"), py::arg("row_seq"), py::arg("positions"),
+        py::arg("scale"), py::arg("window") = 0);
 }

@@ -32,22 +32,30 @@ lookup's, not the draft's, so they leave the draft's estimate alone.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol, cast
+from typing import Any, cast
 
 import torch
 
 from smcspec.config import AutoConfig, DecodingConfig, SamplingConfig
 from smcspec.decoding.agreement import Tally
+from smcspec.decoding.auto_contract import (
+    AutoSMCStats,
+    AutoStats,
+    Choice,
+    MakeSetting,
+    Outlook,
+    ParticleDecoder,
+    RoundTime,
+    Stepper,
+    Tuner,
+    reads_text,
+)
 from smcspec.decoding.base import (
-    Decoder,
     DecodeResult,
     SharedCaches,
     SMCStats,
     StageClock,
-    Stats,
-    Step,
     Watch,
     check_prompt,
     released,
@@ -60,123 +68,6 @@ from smcspec.potentials import Potential
 
 # smc rounds before its mean ESS / N is judged: one round's ESS is a noisy figure
 ESS_ROUNDS = 4
-
-
-class Outlook(NamedTuple):
-    """What a choice is made from: the request's settings, the agreement measured so far (its
-    sum and positions: the tuner adds its prior), the setting running now (None at the start),
-    the committed length (prompt and new tokens) and the new tokens still allowed, whether an
-    approximate setting (smc) is allowed (`exact=False`, and its ESS has not failed), the
-    rounds and tokens each setting has committed in this request, and what prompt lookup
-    would keep on the text so far (None: not measured)."""
-
-    config: AutoConfig
-    sampling: SamplingConfig
-    has_potential: bool
-    agreement_sum: float
-    agreement_positions: int
-    current: DecodingConfig | None
-    context: int
-    remaining: int
-    approximate_allowed: bool
-    measured: Mapping[DecodingConfig, tuple[int, int]]
-    lookup: LookupTally | None = None
-
-
-class Choice(NamedTuple):
-    """A setting, its method's name, whether that method is exact, and the tokens per second
-    predicted for it."""
-
-    config: DecodingConfig
-    method: str
-    exact: bool
-    predicted: float
-
-
-class RoundTime(NamedTuple):
-    """Rounds of one setting: how many, their committed tokens and their seconds in draft steps
-    and in target passes."""
-
-    config: DecodingConfig
-    rounds: int
-    tokens: int
-    draft_seconds: float
-    target_seconds: float
-
-
-class Tuner(Protocol):
-    """Chooses settings and learns from what they cost (`engine.tuning.Tuner`)."""
-
-    def choose(self, outlook: Outlook) -> Choice: ...
-
-    def observe(
-        self,
-        rounds: list[RoundTime],
-        sampling: SamplingConfig,
-        tally: Tally,
-        divergence: float | None = None,
-    ) -> None:
-        """A finished request's round times, the agreement it measured, and chi^2 / N estimated
-        from its smc rounds (`AutoConfig.divergence`; None: it ran none)."""
-
-
-class Stepper(Decoder, Protocol):
-    """An exact method's decoder, which also runs single rounds over shared caches."""
-
-    def step(
-        self,
-        seq: torch.Tensor,
-        caches: SharedCaches,
-        remaining: int,
-        s: SamplingConfig,
-        generator: torch.Generator,
-        clock: StageClock,
-        prompt_len: int,
-    ) -> Step: ...
-
-
-class ParticleDecoder(Decoder, Protocol):
-    """An approximate method's decoder (smc's), which auto runs from the committed text
-    (`generated`) until its weights degenerate (`stop_when`)."""
-
-    def decode(
-        self,
-        prompt: list[int],
-        sampling_cfg: SamplingConfig,
-        generator: torch.Generator,
-        watch: Watch | None = None,
-        *,
-        generated: Sequence[int] = (),
-        stop_when: Callable[[Population], bool] | None = None,
-    ) -> DecodeResult: ...
-
-
-# (settings, potential) -> the decoder of the method whose settings they are: a Stepper for an
-# exact method, a ParticleDecoder for an approximate one (the method table's `decoder`)
-MakeSetting = Callable[[DecodingConfig, Potential | None], Stepper | ParticleDecoder]
-
-
-@dataclass
-class AutoStats(Stats):
-    stopped: bool
-    # each setting chosen in turn: its method, N and K where it has them, the round it started
-    # at, its rounds, tokens and seconds, and its predicted and measured tokens per second
-    settings: list[dict[str, Any]]
-    rounds_by_method: dict[str, int]
-    proposed_tokens: int  # drafts checked by drafting exact rounds (as sd and msd count them)
-    accepted_tokens: int
-    draft_agreement: float | None
-    agreement_positions: int
-    ess: list[float] | None = None  # smc's rounds, when it ran
-    _omit_unset = ("ess",)
-
-
-@dataclass
-class AutoSMCStats(SMCStats):
-    """smc's figures where auto chose it for the whole request (a potential: the conditional
-    needs smc), with the setting it chose, as `AutoStats.settings` reports it."""
-
-    settings: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -430,18 +321,6 @@ class AutoDecoder:
         smc = cast(SMCStats, result.stats)
         own = {f.name: getattr(smc, f.name) for f in dataclasses.fields(smc)}
         return dataclasses.replace(result, stats=AutoSMCStats(**own, settings=[segment.report()]))
-
-
-def setting_label(report: Mapping[str, Any]) -> str:
-    """A setting as `AutoStats.settings` reports it, in words: "msd N=2 K=3", "sd K=4 lookup"."""
-    sizes = (("particles", "N"), ("draft_tokens", "K"))
-    label = report["method"] + "".join(f" {flag}={report[k]}" for k, flag in sizes if k in report)
-    return label + (f" {report['proposal']}" if "proposal" in report else "")
-
-
-def reads_text(config: DecodingConfig) -> bool:
-    """Whether a setting's drafts come from the text (sd's lookup proposals)."""
-    return getattr(config, "proposal", "draft") != "draft"
 
 
 def low_ess_of(ess: list[float], floor: float) -> bool:

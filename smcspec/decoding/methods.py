@@ -33,7 +33,8 @@ from smcspec.config import (
     SettingError,
     SMCConfig,
 )
-from smcspec.decoding.auto import AutoDecoder, Tuner
+from smcspec.decoding.auto import AutoDecoder
+from smcspec.decoding.auto_contract import Tuner
 from smcspec.decoding.autoregressive import AutoregressiveDecoder
 from smcspec.decoding.base import Decoder
 from smcspec.decoding.msd import MultiDraftDecoder

@@ -6,7 +6,7 @@ with), and the method table's readers (`decoding.methods`: the methods' names an
 the one converter from loose settings to typed configs). The command lines, the server and
 the benchmarks import from here."""
 
-from smcspec.decoding.auto import AutoStats, setting_label
+from smcspec.decoding.auto_contract import AutoStats, setting_label
 from smcspec.decoding.base import ARStats, MSDStats, SDStats, SMCStats, Stats, start_cache
 from smcspec.decoding.methods import (
     configs_from_fields,

@@ -38,7 +38,7 @@ from typing import Any
 
 from smcspec.config import ARConfig, AutoConfig, DecodingConfig, SamplingConfig, SDConfig
 from smcspec.decoding.agreement import Tally
-from smcspec.decoding.auto import Choice, Outlook, RoundTime, reads_text
+from smcspec.decoding.auto_contract import Choice, Outlook, RoundTime, reads_text
 from smcspec.decoding.lookup import LOOKUP_PROPOSALS
 from smcspec.decoding.methods import Grid, candidates, method_of, method_row
 from smcspec.engine import costs as step_costs

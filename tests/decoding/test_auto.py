@@ -21,7 +21,7 @@ from smcspec.config import (
     SMCConfig,
 )
 from smcspec.decoding import methods
-from smcspec.decoding.auto import Choice
+from smcspec.decoding.auto_contract import Choice
 from smcspec.decoding.autoregressive import AutoregressiveDecoder
 from smcspec.decoding.msd import MultiDraftDecoder
 from smcspec.potentials import Power

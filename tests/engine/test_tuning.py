@@ -9,7 +9,7 @@ import pytest
 
 from smcspec.config import ARConfig, AutoConfig, MSDConfig, SamplingConfig, SDConfig, SMCConfig
 from smcspec.decoding.agreement import Tally
-from smcspec.decoding.auto import Outlook, RoundTime, reads_text
+from smcspec.decoding.auto_contract import Outlook, RoundTime, reads_text
 from smcspec.decoding.lookup import LookupTally
 from smcspec.decoding.methods import Grid
 from smcspec.engine import LLM, tuning

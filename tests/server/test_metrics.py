@@ -9,7 +9,7 @@ import pytest
 
 from smcspec.bench.serving import parse_metrics
 from smcspec.decoding import ARStats, MSDStats, SDStats, SMCStats
-from smcspec.decoding.auto import AutoStats
+from smcspec.decoding.auto_contract import AutoStats
 from smcspec.server.metrics import ServerMetrics
 
 

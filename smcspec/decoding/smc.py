@@ -203,7 +203,11 @@ class SMCDecoder:
             drafts = sampling.to_device(drafts, logp.device)
             logq_x = sampling.to_device(logq_x, logp.device)
             logp_x = sampling.pick(law[:, :k], drafts)  # [B, k]
-            bonus, log_ratio = guide.bonus(law, logp_x, logq_x, generator)  # [B], [B, k + 1]
+            bonus, log_target_x, bonus_term = guide.bonus(law, logp_x, generator)
+            # The SMC-SD weight: log w += sum_j [log pi(x_j) - log q(x_j)] + the bonus's term
+            # (pi = p, whose exact bonus adds 0; with a potential, p^alpha shaped, its bonus's
+            # local normalizer). [B, k + 1]
+            log_ratio = torch.cat([log_target_x - logq_x, bonus_term[:, None]], dim=1)
             scored = _score(logp, drafts, bonus, s.logprobs)
             agree = agreement(logp[:, :k], sampling.to_device(logq, logp.device))  # [B, k]
             # The round's one wait for the device, after the K draft steps and the verify pass

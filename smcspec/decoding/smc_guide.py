@@ -40,12 +40,8 @@ class RoundGuide(Protocol):
     def drafted(self, x: torch.Tensor) -> None: ...
     def target(self, logp: torch.Tensor, scores: torch.Tensor) -> torch.Tensor: ...
     def bonus(
-        self,
-        logp: torch.Tensor,
-        logp_x: torch.Tensor,
-        logq_x: torch.Tensor,
-        generator: torch.Generator,
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+        self, logp: torch.Tensor, logp_x: torch.Tensor, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
     def collapses(self, pop: Population, increment: torch.Tensor) -> bool: ...
     def exact(self, pop: Population, law: torch.Tensor, token: torch.Tensor) -> None: ...
     def committed(self, pop: Population, bonus: torch.Tensor) -> None: ...
@@ -73,17 +69,13 @@ class NoGuide:
         return logp
 
     def bonus(
-        self,
-        logp: torch.Tensor,
-        logp_x: torch.Tensor,
-        logq_x: torch.Tensor,
-        generator: torch.Generator,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Bonus tokens [B] drawn exactly from p(. | drafts) (logp [B, k + 1, V]); the weight
-        terms [B, k + 1]: log p(x_j) - log q(x_j) per draft, 0 for the bonus."""
+        self, logp: torch.Tensor, logp_x: torch.Tensor, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Bonus tokens [B] drawn exactly from p(. | drafts) (logp [B, k + 1, V]); the target's
+        log-density at the drafts, log p(x_j) [B, k]; the bonus's weight term [B], 0 (exact)."""
         k = logp_x.shape[1]
         bonus = sampling.sample(logp[:, k], generator)  # [B], exact: no weight
-        return bonus, torch.cat([logp_x - logq_x, torch.zeros_like(logp_x[:, :1])], dim=1)
+        return bonus, logp_x, logp_x.new_zeros(logp_x.shape[0])
 
     def collapses(self, pop: Population, increment: torch.Tensor) -> bool:
         """Whether the round's terms [B] leave every weight zero: the round is then replaced by
@@ -172,22 +164,18 @@ class PotentialGuide:
         return torch.stack(laws, dim=1)
 
     def bonus(
-        self,
-        logp: torch.Tensor,
-        logp_x: torch.Tensor,
-        logq_x: torch.Tensor,
-        generator: torch.Generator,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Bonus tokens [B] from the shaped target law at the last position, and the weight
-        terms [B, k + 1]: alpha log p(x_j) - log g(x_j) per draft, the local normalizer for the
-        bonus; a dead row gets -inf. logp [B, k + 1, V]: `target`'s laws."""
+        self, logp: torch.Tensor, logp_x: torch.Tensor, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Bonus tokens [B] from the shaped target law at the last position; the target's
+        log-density at the drafts, alpha log p(x_j) [B, k]; the bonus's weight term [B], the
+        local normalizer; a dead row gets -inf in both. logp [B, k + 1, V]: `target`'s laws."""
         k = logp_x.shape[1]
         masks = self.masks[k] if self.greedy else None  # `target` has them
         logg, norm = self.guide.shaped(self.ids, logp[:, k], masks=masks)  # past the drafts
         dead = self.dead | torch.isneginf(norm)
         bonus = sampling.sample(torch.where(dead[:, None], logp[:, k], logg), generator)
-        log_ratio = torch.cat([self.guide.alpha * logp_x - logq_x, norm.float()[:, None]], dim=1)
-        return bonus, log_ratio.masked_fill(dead[:, None], float("-inf"))
+        log_target = (self.guide.alpha * logp_x).masked_fill(dead[:, None], float("-inf"))
+        return bonus, log_target, norm.float().masked_fill(dead, float("-inf"))
 
     def collapses(self, pop: Population, increment: torch.Tensor) -> bool:
         """Only at temperature 0, where a particle dies for a draft that is not the target's

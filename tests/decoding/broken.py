@@ -77,9 +77,8 @@ class ForgetsBonusNormalizer(SMCDecoder):
 
 class _NoBonusNormalizer(PotentialGuide):
     def bonus(self, *args):
-        bonus, log_ratio = super().bonus(*args)
-        log_ratio[:, -1] = torch.where(torch.isneginf(log_ratio[:, -1]), log_ratio[:, -1], 0.0)
-        return bonus, log_ratio
+        bonus, log_target, term = super().bonus(*args)
+        return bonus, log_target, torch.where(torch.isneginf(term), term, 0.0)
 
 
 class WrongDraftTemperatureWeights(SMCDecoder):

@@ -16,7 +16,7 @@ from smcspec.decoding.methods import (
     method_row,
 )
 from smcspec.decoding.methods import resolve as resolve_method
-from smcspec.engine.llm import LLM, GenerationResult
+from smcspec.engine.llm import LLM
 from smcspec.engine.loading import (
     BACKENDS,
     DTYPES,
@@ -26,6 +26,7 @@ from smcspec.engine.loading import (
     load_pair,
 )
 from smcspec.engine.request import Request
+from smcspec.engine.result import GenerationResult
 from smcspec.models.base import CausalLM, PagedModel, fresh_logits
 
 __all__ = [

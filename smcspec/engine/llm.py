@@ -8,60 +8,27 @@ print(out.text, out.diagnostics["tokens_per_second"])
 
 from __future__ import annotations
 
-import math
 import secrets
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from smcspec.config import DecodingConfig, EngineLimits, SamplingConfig, SettingError
 from smcspec.decoding import Decoder, DecodeResult, methods
-from smcspec.decoding.base import Stats, Watch
-from smcspec.decoding.logprobs import TokenLogprobs, score_prompt
+from smcspec.decoding.base import Watch
+from smcspec.decoding.logprobs import score_prompt
 from smcspec.engine import pools, probes, timing
 from smcspec.engine.loading import load_pair
 from smcspec.engine.request import Request, build_potential
+from smcspec.engine.result import GenerationResult
 from smcspec.engine.scheduler import Job, Scheduler
 from smcspec.engine.text import TextStream, check_stops
 from smcspec.engine.tuning import Tuner
 from smcspec.models.base import CausalLM
 from smcspec.models.shared_vocab import shared
 from smcspec.potentials import Potential, llguidance_tokenizer
-
-
-@dataclass
-class GenerationResult:
-    """The text (cut before the first stop string) and its tokens (up to the one that completed
-    the stop string). `finish_reason` is "stop" (EOS or a stop string) or "length" (the
-    max_new_tokens limit). diagnostics["new_tokens"] counts every token decoded. `stats` is the
-    method's own figures, typed (`ARStats`, `SDStats`, `SMCStats`); `diagnostics` holds them
-    serialised beside the common ones (time, tokens, rounds, seed), as JSON shows them."""
-
-    text: str
-    token_ids: list[int]
-    method: str
-    finish_reason: str
-    diagnostics: dict[str, Any] = field(default_factory=dict)
-    particle_texts: list[str] | None = None
-    stats: Stats | None = None
-    logprobs: TokenLogprobs | None = None  # one entry per token of token_ids, when asked for
-    prompt_logprobs: TokenLogprobs | None = None  # per prompt token (the first's is NaN)
-
-    def to_dict(self) -> dict[str, Any]:
-        out = {"text": self.text, "token_ids": self.token_ids, "method": self.method}
-        out["finish_reason"] = self.finish_reason
-        out.update(self.diagnostics)
-        if self.particle_texts is not None:
-            out["particle_texts"] = self.particle_texts
-        for key, scores in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
-            if scores is not None:
-                out[key] = {
-                    "token_logprobs": [None if math.isnan(v) else v for v in scores.chosen],
-                    "top_logprobs": [[list(pair) for pair in top] for top in scores.top],
-                }
-        return out
 
 
 class LLM:
@@ -314,7 +281,7 @@ class LLM:
         )
         seed = secrets.randbits(63) if sampling.seed is None else sampling.seed
         request = Request(ids, decoding, sampling, potential, seed, stops)
-        _check_context(request, self.target.context_length)
+        request.check_context(self.target.context_length)
         reason = pools.oversized(models, request.kv_rows(), request.max_length())
         if reason is not None:
             raise ValueError(reason)
@@ -461,18 +428,3 @@ def make_decoder(
     """The decoder a config's type names (its row of `decoding.methods`); auto's chooses with
     `tuner`."""
     return methods.row_of(decoding).decoder(target, draft, decoding, potential, tuner)
-
-
-def _check_context(request: Request, context: int | None) -> None:
-    """A ValueError where the request needs more positions than the model's context holds."""
-    need = request.max_length()
-    if context is None or need <= context:
-        return
-    lookahead = need - len(request.prompt_ids) - request.sampling.max_new_tokens
-    drafts = f" and {lookahead} draft tokens of lookahead" if lookahead else ""
-    raise SettingError(
-        f"max_new_tokens: the prompt's {len(request.prompt_ids)} tokens, "
-        f"{request.sampling.max_new_tokens} new tokens{drafts} need {need} positions; the "
-        f"model's context holds {context}",
-        "max_new_tokens",
-    )

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from smcspec.config import DecodingConfig, SamplingConfig
+from smcspec.config import DecodingConfig, SamplingConfig, SettingError
 from smcspec.decoding import methods
 from smcspec.potentials import Constraint, Potential, Power, Product, Reward
 
@@ -56,6 +56,21 @@ class Request:
         """The longest a sequence can get: prompt, new tokens, and a round of drafts past them."""
         lookahead = methods.lookahead(self.decoding)
         return len(self.prompt_ids) + self.sampling.max_new_tokens + lookahead
+
+    def check_context(self, context: int | None) -> None:
+        """A SettingError naming max_new_tokens where the request needs more positions than a
+        model's context (None: unknown) holds."""
+        need = self.max_length()
+        if context is None or need <= context:
+            return
+        lookahead = need - len(self.prompt_ids) - self.sampling.max_new_tokens
+        drafts = f" and {lookahead} draft tokens of lookahead" if lookahead else ""
+        raise SettingError(
+            f"max_new_tokens: the prompt's {len(self.prompt_ids)} tokens, "
+            f"{self.sampling.max_new_tokens} new tokens{drafts} need {need} positions; the "
+            f"model's context holds {context}",
+            "max_new_tokens",
+        )
 
 
 def build_potential(

@@ -67,6 +67,12 @@ def _require_count(config: object, field: str, label: str | None = None) -> None
     )
 
 
+def _require_choice(config: object, field: str, choices: tuple[str, ...]) -> None:
+    """`config.field` is one of `choices`."""
+    value = getattr(config, field)
+    _require(value in choices, f"{field} must be one of {', '.join(choices)}, got {value!r}", field)
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -325,17 +331,9 @@ class SDConfig:
 
     def __post_init__(self) -> None:
         _require_count(self, "draft_tokens", "draft_tokens (K)")
-        _require(
-            self.proposal in PROPOSALS,
-            f"proposal must be one of {', '.join(PROPOSALS)}, got {self.proposal!r}",
-            "proposal",
-        )
+        _require_choice(self, "proposal", PROPOSALS)
         _require_count(self, "lookup_ngram")
-        _require(
-            self.verify in VERIFY_RULES,
-            f"verify must be one of {', '.join(VERIFY_RULES)}, got {self.verify!r}",
-            "verify",
-        )
+        _require_choice(self, "verify", VERIFY_RULES)
 
 
 @dataclass(frozen=True)
@@ -356,11 +354,7 @@ class SMCConfig:
             f"resample_threshold must be in [0, 1], got {self.resample_threshold!r}",
             "resample_threshold",
         )
-        _require(
-            self.resampling in RESAMPLING_SCHEMES,
-            f"resampling must be one of {', '.join(RESAMPLING_SCHEMES)}, got {self.resampling!r}",
-            "resampling",
-        )
+        _require_choice(self, "resampling", RESAMPLING_SCHEMES)
 
 
 @dataclass(frozen=True)
@@ -377,11 +371,7 @@ class MSDConfig:
     def __post_init__(self) -> None:
         _require_count(self, "particles", "particles (N)")
         _require_count(self, "draft_tokens", "draft_tokens (K)")
-        _require(
-            self.verify in VERIFY_RULES,
-            f"verify must be one of {', '.join(VERIFY_RULES)}, got {self.verify!r}",
-            "verify",
-        )
+        _require_choice(self, "verify", VERIFY_RULES)
 
 
 @dataclass(frozen=True)

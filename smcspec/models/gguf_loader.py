@@ -43,10 +43,26 @@ _LAYER = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3")
 # Layer tensors an architecture names otherwise: phi3's ffn_up holds gate and up, in that order
-# (transformers' gate_up_proj)
-_LAYER_BY_ARCH = {"phi3": {"ffn_up.weight": "mlp.gate_up_proj.weight"}}
+# (transformers' gate_up_proj); gemma3's four norms a layer sit before and after the attention
+# and the MLP, its ffn_norm the one before the MLP.
+_LAYER_BY_ARCH = {
+    "phi3": {"ffn_up.weight": "mlp.gate_up_proj.weight"},
+    "gemma3": {
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    },
+}
+# llama.cpp's converter stores a Gemma norm's scale 1 + w where transformers stores w: the
+# loader takes the 1 back off, so that the weights mean what their Hugging Face names do.
+_NORM_SHIFT = {"gemma3": 1.0}
+_MODEL_TYPE = {"gemma3": "gemma3_text"}  # transformers' name where it differs from llama.cpp's
+# what llama.cpp fixes in code for gemma3 rather than writes: every 6th layer attends globally,
+# the sliding layers' RoPE base is 10k, and scores are scaled by 1/sqrt(head_dim), but for the
+# 27B model (62 layers), by 1/sqrt(hidden / heads)
+GEMMA3_PATTERN, GEMMA3_LOCAL_BASE, GEMMA3_27B_LAYERS = 6, 10000.0, 62
 
 
 def hf_name(gguf_name: str, arch: str) -> str | None:
@@ -214,6 +230,8 @@ def config(path: str | Path) -> dict:
     if arch == "phi3":
         cfg.update(_phi3(reader, path))
         return cfg
+    if arch == "gemma3":
+        cfg.update(_gemma3(cfg, int(reader.field("gemma3.attention.sliding_window", 0))))
     scaling = rope_scaling(reader, arch)
     if scaling:
         cfg["rope_scaling"] = scaling
@@ -253,6 +271,23 @@ def _phi3(reader: Header, path: str | Path) -> dict:
     return out
 
 
+def _gemma3(cfg: dict, window: int) -> dict:
+    """A gemma3 file's settings as transformers' Gemma3TextConfig names them, those its
+    metadata leaves out set as llama.cpp sets them."""
+    layers = cfg["num_hidden_layers"]
+    wide = layers == GEMMA3_27B_LAYERS
+    return {
+        "model_type": _MODEL_TYPE["gemma3"],
+        "sliding_window": window or None,
+        "sliding_window_pattern": GEMMA3_PATTERN,
+        "rope_local_base_freq": GEMMA3_LOCAL_BASE,
+        "query_pre_attn_scalar": cfg["hidden_size"] // cfg["num_attention_heads"]
+        if wide
+        else cfg["head_dim"],
+        "hidden_activation": "gelu_pytorch_tanh",
+    }
+
+
 def weights(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFWeights:
     """The weights of a GGUF file under their Hugging Face names, each de-quantized when read."""
     return GGUFWeights(path, dtype)
@@ -267,6 +302,7 @@ class _Stored:
     offset: int  # of its first byte in the file
     nbytes: int
     heads: int  # llama.cpp permuted its rows for this many heads (Llama q/k); 0: not permuted
+    shift: float = 0.0  # llama.cpp added this to the values (Gemma's norms); taken off on reading
 
 
 # Rows de-quantized at once hold about this many output bytes: gguf's de-quantizers make a few
@@ -281,7 +317,8 @@ class GGUFWeights:
     the whole quantized file to the reader's memory.
 
     Values are those of `gguf.quants.dequantize` on the whole tensor (the de-quantizers work block
-    by block), with llama.cpp's q/k row permutation undone for Llama and Mistral."""
+    by block), with llama.cpp's q/k row permutation undone for Llama and Mistral and the 1 it
+    adds to Gemma's norm scales taken off."""
 
     def __init__(self, path: str | Path, dtype: torch.dtype = torch.float32) -> None:
         reader = Header.read(path)
@@ -297,7 +334,8 @@ class GGUFWeights:
                 continue
             permute = arch in ("llama", "mistral")  # llama.cpp's converter permutes their q/k
             rows = next((n for s, n in permuted.items() if permute and name.endswith(s)), 0)
-            self._stored[name] = _Stored(t.qtype, t.shape, t.offset, t.nbytes, rows)
+            shift = _NORM_SHIFT.get(arch, 0.0) if name.endswith("norm.weight") else 0.0
+            self._stored[name] = _Stored(t.qtype, t.shape, t.offset, t.nbytes, rows, shift)
 
     def __contains__(self, name: object) -> bool:
         return name in self._stored
@@ -307,6 +345,8 @@ class GGUFWeights:
         out = torch.from_numpy(_dequantize(self.path, stored))  # shape: stored.shape
         if stored.heads:
             out = _unpermute(out, stored.heads)
+        if stored.shift:
+            out -= stored.shift
         return out.to(self.dtype)
 
     def pop(self, name: str) -> torch.Tensor:
@@ -387,12 +427,13 @@ def rope_scaling(reader: Header, arch: str) -> dict:
 
 
 def architecture(path: str | Path) -> str | None:
-    """general.architecture of a GGUF file (its header read, no tensor), or None for a file that
-    is no readable GGUF."""
+    """The transformers model type of a GGUF file's general.architecture (its header read, no
+    tensor: gemma3's text model is gemma3_text), or None for a file that is no readable GGUF."""
     try:
-        return str(Header.read(path).field("general.architecture"))
+        arch = str(Header.read(path).field("general.architecture"))
     except (ValueError, OSError):
         return None
+    return _MODEL_TYPE.get(arch, arch)
 
 
 def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:

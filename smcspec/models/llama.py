@@ -145,7 +145,7 @@ class LlamaModel:
     def from_gguf(
         cls, path: str | Path, dtype: str = "float32", device: str = "cpu", **kw
     ) -> LlamaModel:
-        """Load and de-quantize a GGUF file (llama, qwen2, qwen3, mistral)."""
+        """Load and de-quantize a GGUF file (`gguf_loader.ARCHITECTURES`)."""
         from smcspec.models import gguf_loader
 
         config = LlamaConfig.read(path)

@@ -180,13 +180,9 @@ def _hf_drops_rope(spec: str) -> bool:
 
 
 def load_tokenizer(spec: str) -> Any:
-    """The tokenizer of a local folder (from its store after the first load:
-    `tokenizer_cache`) or .gguf file."""
+    """The tokenizer of a local folder or .gguf file (from its store after the first load:
+    `tokenizer_cache`)."""
     path = Path(spec).expanduser()
-    if path.suffix == ".gguf":
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     from smcspec.models import tokenizer_cache
 
     return tokenizer_cache.load(path)

@@ -132,9 +132,7 @@ class CachedTokenizer:
     def transformers_tokenizer(self) -> Any:
         """transformers' own tokenizer of the same files, loaded on first use."""
         if self._transformers is None:
-            from transformers import AutoTokenizer
-
-            self._transformers = AutoTokenizer.from_pretrained(str(self.source))
+            self._transformers = _transformers(self.source)
         return self._transformers
 
     def __getattr__(self, name: str) -> Any:
@@ -144,16 +142,24 @@ class CachedTokenizer:
 
 
 def load(folder: Path, cache_root: Path | None = None) -> Any:
-    """The tokenizer of a model folder: its store when there is a valid one, else
+    """The tokenizer of a model folder or .gguf file: its store when there is a valid one, else
     transformers' tokenizer, stored for next time when `CachedTokenizer` agrees with it."""
     cached = read(folder, cache_root)
     if cached is not None:
         return cached
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    tokenizer = _transformers(folder)
     store(folder, tokenizer, cache_root)
     return tokenizer
+
+
+def _transformers(source: Path) -> Any:
+    """transformers' tokenizer of a folder, or of a .gguf file (built from its metadata: 14 s
+    for Gemma 3's 262k-token vocabulary on a 2-core Xeon, against 0.3 s from the store)."""
+    from transformers import AutoTokenizer
+
+    if source.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+    return AutoTokenizer.from_pretrained(str(source))
 
 
 def read(folder: Path, cache_root: Path | None = None) -> CachedTokenizer | None:
@@ -205,12 +211,18 @@ def store(folder: Path, tokenizer: Any, cache_root: Path | None = None) -> Path 
 
 def stamp(folder: Path) -> dict[str, Any]:
     """What a store holds for: the tokenizer files' names and SHA-256 (config.json too, which
-    names the model type), and the versions that built and read it."""
-    names = [f for f in sorted(folder.iterdir()) if f.name.startswith(TOKENIZER_FILES)]
-    files = [f for f in [*names, folder / "config.json"] if f.is_file()]
-    digests = [[f.name, hashlib.sha256(f.read_bytes()).hexdigest()] for f in files]
+    names the model type), or a .gguf file's name, size and modification time (hashing up to
+    gigabytes of weights for their vocabulary would cost more than building it), and the
+    versions that built and read it."""
     versions = {p: _version(p) for p in ("transformers", "tokenizers")}
-    return {"format": FORMAT, "files": digests, "versions": versions}
+    if folder.suffix == ".gguf":
+        st = folder.stat()
+        files: list[list[Any]] = [[folder.name, st.st_size, st.st_mtime_ns]]
+        return {"format": FORMAT, "files": files, "versions": versions}
+    names = [f for f in sorted(folder.iterdir()) if f.name.startswith(TOKENIZER_FILES)]
+    paths = [f for f in [*names, folder / "config.json"] if f.is_file()]
+    files = [[f.name, hashlib.sha256(f.read_bytes()).hexdigest()] for f in paths]
+    return {"format": FORMAT, "files": files, "versions": versions}
 
 
 def _version(package: str) -> str | None:
@@ -283,4 +295,4 @@ def _rendered(tokenizer: Any, chat: list[dict[str, Any]], kwargs: dict[str, Any]
 
 def _files(where: Path) -> tuple[Path, Path]:
     """The settings (with the stamp) and the pipeline of the store at `where`."""
-    return where.with_suffix(".json"), where.with_suffix(".pipeline.json")
+    return weight_cache.suffixed(where, ".json"), weight_cache.suffixed(where, ".pipeline.json")

@@ -152,11 +152,17 @@ def location(spec: Path, kind: str, root: Path | None = None) -> Path:
     return cache_root(root) / kind / key / name
 
 
+def suffixed(where: Path, suffix: str) -> Path:
+    """A file of the cache at `where`: its name with `suffix` added (`with_suffix` would cut a
+    .gguf stem's own dots: qwen2.5-coder... and gemma-3-270m.tokenizer alike)."""
+    return where.with_name(where.name + suffix)
+
+
 def load(spec: Path, kind: str, cache_root: Path | None = None) -> LazyWeights | None:
     """The cached `kind` tensors of `spec` (lazily read), or None when there is no valid
     cache."""
     where = location(spec, kind, cache_root)
-    tensors, stamp_file = where.with_suffix(".safetensors"), where.with_suffix(".json")
+    tensors, stamp_file = suffixed(where, ".safetensors"), suffixed(where, ".json")
     if not (tensors.is_file() and stamp_file.is_file()):
         return None
     try:
@@ -183,7 +189,7 @@ def save(
     where = location(spec, kind, cache_root)
     try:
         where.parent.mkdir(parents=True, exist_ok=True)
-        target = where.with_suffix(".safetensors")
+        target = suffixed(where, ".safetensors")
         # its own name per writer: two processes building the same cache at once each write a
         # whole file and replace the target with it, never one file between them
         partial = target.with_suffix(f".partial-{os.getpid()}-{secrets.token_hex(4)}")
@@ -192,7 +198,7 @@ def save(
             os.replace(partial, target)
         finally:
             partial.unlink(missing_ok=True)
-        _write_stamp(where.with_suffix(".json"), stamp(source_files(spec), with_digest=True))
+        _write_stamp(suffixed(where, ".json"), stamp(source_files(spec), with_digest=True))
     except OSError:
         return None
     return target

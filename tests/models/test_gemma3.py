@@ -12,7 +12,7 @@ import torch
 from smcspec.models import loader
 from smcspec.models.llama import LlamaModel
 from smcspec.models.llama_config import LlamaConfig
-from tests.models.test_llama import reference
+from tests.models.test_llama import reference, write_gguf
 from tests.models.test_qwen3 import FEEDS, STEPS, assert_close_in_kl, logits
 
 VOCAB = 64  # a multiple of 16: the output layer on the kernel too
@@ -133,3 +133,72 @@ def test_a_capped_or_bidirectional_gemma_is_refused_before_loading():
     ):
         with pytest.raises(ValueError, match=named):
             LlamaConfig.from_hf({**base, **extra})
+
+
+def write_gemma3_gguf(path, hf):
+    """The tiny model as a gemma3 GGUF file, as llama.cpp's converter lays one out (names written
+    here, not taken from the loader): four norms a layer, each stored as its scale 1 + w, the
+    output layer tied to the embeddings, the global RoPE base and the window as metadata; the
+    rest (the layers' pattern, the local base, the query scale) llama.cpp fixes in code."""
+    c = hf.config
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+    }
+    layer = {
+        "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+        "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+        "post_attention_layernorm": "post_attention_norm",
+        "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+        "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    }  # fmt: skip
+    for i in range(c.num_hidden_layers):
+        names.update(
+            {f"model.layers.{i}.{k}.weight": f"blk.{i}.{v}.weight" for k, v in layer.items()}
+        )
+
+    def gemma3(w):
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
+        w.add_sliding_window(c.sliding_window)
+
+    theta = c.rope_parameters["full_attention"]["rope_theta"]
+    shift = lambda name: 1.0 if name.endswith("norm.weight") else 0.0  # noqa: E731
+    write_gguf(path, hf, arch="gemma3", extra=gemma3, names=names, rope_base=theta, shift=shift)
+
+
+@pytest.fixture(scope="module")
+def gemma3_as_llama_cpp_has_it():
+    """A tiny Gemma 3 of the shape llama.cpp assumes: six layers, the sixth global, scores scaled
+    by 1/sqrt(head_dim), the sliding layers' RoPE base 10k."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        sliding_window=WINDOW, query_pre_attn_scalar=16,
+    )  # fmt: skip
+    assert config.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
+    torch.manual_seed(6)
+    hf = Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for _, p in hf.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    return hf
+
+
+def test_a_gguf_file_loads_the_same_model(gemma3_as_llama_cpp_has_it, tmp_path):
+    """llama.cpp's gemma3 layout: the same switches, and transformers' logits past the window
+    (the norms' added 1 taken back off, the RoPE bases and the window read or fixed as llama.cpp
+    does)."""
+    hf = gemma3_as_llama_cpp_has_it
+    write_gemma3_gguf(tmp_path / "gemma3.gguf", hf)
+    model = LlamaModel.from_gguf(tmp_path / "gemma3.gguf")
+    c = model.config
+    assert c.sliding == (True,) * 5 + (False,) and c.window == WINDOW and c.tie_embeddings
+    assert (c.rope.theta, c.local_rope.theta, c.query_scale) == (1_000_000.0, 10_000.0, 1.0)
+    ids = [(5 * i + 2) % VOCAB for i in range(12)]  # three windows
+    kv = model.new_kv(32, 4)
+    out = model.forward(kv, [kv.new_sequence()], [torch.tensor(ids)], len(ids))[0]
+    torch.testing.assert_close(out, reference(hf, ids), rtol=1e-4, atol=1e-4)

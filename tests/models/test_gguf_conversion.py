@@ -20,6 +20,7 @@ import torch
 from smcspec.models import defaults, gguf_loader
 
 Q = gguf.GGMLQuantizationType
+QWEN_EOS = defaults.SHIPPED[defaults.DEFAULT_TARGET].eos_ids
 # where each block type keeps its float16 scales (byte offsets in the block)
 SCALES = {Q.Q4_K: (0, 2), Q.Q6_K: (208,), Q.Q5_0: (0,), Q.Q8_0: (0,)}
 # each GGUF tensor of a layer: its shape in torch order (rows, cols) as a function of the sizes
@@ -139,7 +140,7 @@ def old_convert(path: Path, folder: Path) -> None:
     folder.mkdir(parents=True)
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(folder)
-    model.generation_config.eos_token_id = defaults.QWEN_EOS_IDS
+    model.generation_config.eos_token_id = list(QWEN_EOS)
     model.generation_config.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     (folder / "COMPLETE").write_text(f"converted from {path.name}\n")
@@ -175,7 +176,7 @@ def test_rows_de_quantize_apart(tmp_path, monkeypatch):
 def test_the_converted_folder_is_byte_for_byte_the_old_one(tied, tmp_path):
     path = write_gguf(tmp_path / "m.gguf", tied=tied)
     old_convert(path, tmp_path / "old")
-    defaults._convert(path, tmp_path / "new")
+    defaults._convert(path, tmp_path / "new", QWEN_EOS)
     names = sorted(p.name for p in (tmp_path / "old").iterdir())
     assert sorted(p.name for p in (tmp_path / "new").iterdir()) == names
     assert "model.safetensors" in names and "config.json" in names
@@ -196,10 +197,10 @@ def test_converting_holds_about_one_de_quantized_tensor(tmp_path, monkeypatch):
     sizes = [4 * int(np.prod(t.shape)) for t in gguf.GGUFReader(str(path)).tensors]
     bound = max(sizes) + 8 * chunk
     assert sum(sizes) > 10 * bound  # the bound is far below holding the model
-    defaults._convert(path, tmp_path / "warm")
+    defaults._convert(path, tmp_path / "warm", QWEN_EOS)
     tracemalloc.start()
     try:
-        defaults._convert(path, tmp_path / "new")
+        defaults._convert(path, tmp_path / "new", QWEN_EOS)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()

@@ -111,11 +111,13 @@ def test_decoder_view_matches_transformers_through_resampling(pair):
     assert mine.kv.allocator.used_pages == 0
 
 
-def write_gguf(path, hf, quant=None, arch="qwen2", extra=None, names=None):
+def write_gguf(
+    path, hf, quant=None, arch="qwen2", extra=None, names=None, rope_base=10000.0, shift=None
+):
     """The tiny model as a GGUF file (F32, or Q8_0 for the big matrices). For llama, q/k rows
     are permuted the way llama.cpp's converter does. `extra(writer)` may add metadata and
     tensors (RoPE scaling); `names` (state dict name -> GGUF name) replaces the loader's own
-    mapping."""
+    mapping; `shift(name)` is a number the converter adds to that tensor (Gemma's norms)."""
     import gguf
     import numpy as np
 
@@ -133,10 +135,12 @@ def write_gguf(path, hf, quant=None, arch="qwen2", extra=None, names=None):
     w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
-    w.add_rope_freq_base(10000.0)
+    w.add_rope_freq_base(rope_base)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     for name, tensor in hf.state_dict().items():
-        array = tensor.detach().float().numpy()
+        if name == "lm_head.weight" and c.tie_word_embeddings:  # llama.cpp writes it once
+            continue
+        array = tensor.detach().float().numpy() + (shift(name) if shift else 0.0)
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = c.num_attention_heads if "q_proj" in name else c.num_key_value_heads
             rows, cols = array.shape

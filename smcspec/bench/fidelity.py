@@ -63,21 +63,28 @@ def measure(spec: str, prompts: list[list[int]], dtype: str, new_tokens: int) ->
     }
 
 
+def _prompt(tokenizer, text: str) -> list[int]:
+    """`text` as a user's chat message, or as it is for a model without a chat template (a
+    pretrained one: Gemma 3 270M)."""
+    if tokenizer.chat_template is None:
+        return tokenizer.encode(text)
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
+    return tokenizer.encode(chat, add_special_tokens=False)
+
+
 def run_fidelity(
     specs: dict[str, str], tokenizer, dtype: str, new_tokens: int, out_dir: str | Path
 ) -> str:
     """specs: role -> local folder or .gguf. Writes fidelity.md; returns its text."""
-    prompts = []
-    for text in README_PROMPTS:
-        chat = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-        )
-        prompts.append(tokenizer.encode(chat, add_special_tokens=False))
+    prompts = [_prompt(tokenizer, text) for text in README_PROMPTS]
+    chats = tokenizer.chat_template is not None
     rows = {role: measure(spec, prompts, dtype, new_tokens) for role, spec in specs.items()}
     lines = [
         f"Fidelity of {dtype} against float32 (native engine): "
-        f"{machine.one_line(machine.describe(dtype))}; the README's {len(prompts)} prompts as "
-        f"chat messages, each with a {new_tokens}-token greedy float32 continuation; every "
+        f"{machine.one_line(machine.describe(dtype))}; the README's {len(prompts)} prompts "
+        f"{'as chat messages' if chats else 'as plain text (the model has no chat template)'}, each with a {new_tokens}-token greedy float32 continuation; every "
         "position scored; KL(p_fp32 || p_low) of next-token distributions at temperature 1.",
         "",
         "| model | positions | mean KL (nats) | median | max | arg-max agreement |",

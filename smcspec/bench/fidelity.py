@@ -84,7 +84,8 @@ def run_fidelity(
     lines = [
         f"Fidelity of {dtype} against float32 (native engine): "
         f"{machine.one_line(machine.describe(dtype))}; the README's {len(prompts)} prompts "
-        f"{'as chat messages' if chats else 'as plain text (the model has no chat template)'}, each with a {new_tokens}-token greedy float32 continuation; every "
+        f"{'as chat messages' if chats else 'as plain text (the model has no chat template)'}, "
+        f"each with a {new_tokens}-token greedy float32 continuation; every "
         "position scored; KL(p_fp32 || p_low) of next-token distributions at temperature 1.",
         "",
         "| model | positions | mean KL (nats) | median | max | arg-max agreement |",

@@ -83,12 +83,15 @@ def _load_queries(q_ptr, pos_ptr, token, head, dims, valid, in_head, stride_qt, 
 
 
 @triton.jit
-def _key_range(pos, split, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
-    """Keys [lo, hi) of split `split`: the q-block's keys are 0 .. max(pos), and each split
-    takes an equal share of whole key tiles."""
+def _key_range(pos, reach, split, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+    """Keys [lo, hi) of split `split`: the q-block's keys run from the first tile any of its
+    rows sees (a row sees its `reach` last keys: its position's and reach - 1 before) to
+    max(pos), and each split takes an equal share of whole key tiles."""
     num_keys = tl.max(pos, axis=0) + 1
-    tiles_per_split = tl.cdiv(tl.cdiv(num_keys, BLOCK_N), SPLITS)
-    lo = split * tiles_per_split * BLOCK_N
+    lowest = tl.min(tl.where(pos >= 0, pos, num_keys), axis=0)  # padding rows' -1 aside
+    first = tl.maximum(lowest - reach + 1, 0) // BLOCK_N * BLOCK_N
+    tiles_per_split = tl.cdiv(tl.cdiv(num_keys - first, BLOCK_N), SPLITS)
+    lo = first + split * tiles_per_split * BLOCK_N
     hi = tl.minimum(lo + tiles_per_split * BLOCK_N, num_keys)
     return lo, hi
 
@@ -126,6 +129,7 @@ def _online_softmax(
     v,
     keys,
     pos,
+    reach,
     in_split,
     qk_scale,
     m,
@@ -135,9 +139,11 @@ def _online_softmax(
     DOT_FP32: tl.constexpr,
 ):
     """One key tile folded into the rows' running (m, z, acc), each row seeing the keys at or
-    before its position: the old sums are rescaled by exp2(m - m_new), then the tile's added."""
+    before its position and within its reach: the old sums are rescaled by exp2(m - m_new),
+    then the tile's added."""
     scores = _dot(q, k, PRECISION, DOT_FP32) * qk_scale  # [M, N]
-    seen = in_split[None, :] & (keys[None, :] <= pos[:, None])
+    ahead = keys[None, :] <= pos[:, None]
+    seen = in_split[None, :] & ahead & (keys[None, :] > pos[:, None] - reach)
     scores = tl.where(seen, scores, float("-inf"))
     m_new = tl.maximum(m, tl.max(scores, axis=1))
     # a row that has seen no key yet keeps m = -inf; 0 stands in so exp2 gives 0, not NaN
@@ -154,6 +160,7 @@ def _online_softmax(
 def _attend_split(
     q,
     pos,
+    reach,
     split,
     k_ptr,
     v_ptr,
@@ -177,7 +184,7 @@ def _attend_split(
 ):
     """Over the keys of split `split`: the running max m [M] of the scores (log2 units), the
     sum z [M] of exp2(score - m) and the sum acc [M, D] of exp2(score - m) v."""
-    lo, hi = _key_range(pos, split, BLOCK_N, SPLITS)
+    lo, hi = _key_range(pos, reach, split, BLOCK_N, SPLITS)
     table = tables_ptr + seq.to(tl.int64) * stride_table
     head_off = kv_head.to(tl.int64) * stride_khead
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -191,7 +198,7 @@ def _attend_split(
             PAGE_SIZE,
         )  # fmt: skip
         m, z, acc = _online_softmax(
-            q, k, v, keys, pos, in_split, qk_scale, m, z, acc, PRECISION, DOT_FP32
+            q, k, v, keys, pos, reach, in_split, qk_scale, m, z, acc, PRECISION, DOT_FP32
         )
     return m, z, acc
 
@@ -245,6 +252,7 @@ def paged_attention_kernel(
     starts_ptr,
     pos_ptr,
     qk_scale,
+    reach,
     num_seqs,
     num_tokens,
     stride_qt,
@@ -267,7 +275,8 @@ def paged_attention_kernel(
     DOT_FP32: tl.constexpr,
 ):
     """One program: BLOCK_Q query tokens of one sequence x the GROUP query heads of kv head
-    program_id(1) (`_query_rows`), over the key range of split program_id(2)."""
+    program_id(1) (`_query_rows`), over the key range of split program_id(2); each row sees
+    its `reach` last keys (a sliding window; the wrapper's NO_WINDOW for all)."""
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -279,7 +288,7 @@ def paged_attention_kernel(
     in_head = dims < HEAD_DIM
     q, pos = _load_queries(q_ptr, pos_ptr, token, head, dims, valid, in_head, stride_qt, stride_qh)
     m, z, acc = _attend_split(
-        q, pos, split, k_ptr, v_ptr, tables_ptr, seq, kv_head, dims, in_head, qk_scale,
+        q, pos, reach, split, k_ptr, v_ptr, tables_ptr, seq, kv_head, dims, in_head, qk_scale,
         stride_kpage, stride_kslot, stride_khead, stride_table, BLOCK_M, HEAD_PAD, PAGE_SIZE,
         BLOCK_N, SPLITS, PRECISION, DOT_FP32,
     )  # fmt: skip
@@ -308,7 +317,8 @@ def merge_splits_kernel(
     SPLITS_PAD: tl.constexpr,
 ):
     """out[t, h] = sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) z_s, m = max_s m_s: one program
-    per (token, query head). Split 0 holds key 0, which every token sees, so m is finite."""
+    per (token, query head). Every token sees its own key, which some split holds, so m is
+    finite."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)

@@ -73,10 +73,6 @@ class Attention(Protocol):
     paged: bool  # reads block tables (else a GatherPlan)
     graph_safe: bool  # no host sync and fixed shapes: may run inside a CUDA graph
 
-    # whether `window` is honoured (a sliding-window layer's last keys): the model runs a
-    # sliding-window model past its window only on an implementation that masks it
-    windows: bool
-
     def __call__(
         self, q: torch.Tensor, kv: PagedKVCache, layer: int, batch: ForwardBatch, window: int = 0
     ) -> torch.Tensor:
@@ -94,7 +90,6 @@ class GatherAttention:
 
     paged = False
     graph_safe = False
-    windows = True
 
     def __init__(self, attend: Callable[..., torch.Tensor] | None = None) -> None:
         self.attend = attend
@@ -174,11 +169,10 @@ def _window_mask(p: GatherPlan, positions: torch.Tensor, window: int) -> torch.T
 
 class PagedAttention:
     """Reads keys through the page tables (`paged_attention`); `kernel` is "triton" or
-    "reference" (plain torch, the same function, any device). It attends to every key before
-    a query: a sliding-window model runs on it up to its window only."""
+    "reference" (plain torch, the same function, any device). A sliding-window layer's query
+    sees its window's last keys: the kernel skips the key tiles below every row's window."""
 
     paged = True
-    windows = False
 
     def __init__(self, kernel: str) -> None:
         self.name = f"paged-{kernel}"
@@ -194,10 +188,10 @@ class PagedAttention:
         scale = q.shape[-1] ** -0.5
         args = (q, kv.k[layer], kv.v[layer], batch.block_tables, batch.seq_index)
         if self._fn is paged_attention.reference:  # the definition needs no packing hint
-            return self._fn(*args, batch.positions, scale)
+            return self._fn(*args, batch.positions, scale, window)
         return self._fn(
             *args, batch.positions, scale, query_starts=batch.query_starts,
-            max_query_len=batch.max_query_len,
+            max_query_len=batch.max_query_len, window=window,
         )  # fmt: skip
 
 

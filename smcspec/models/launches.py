@@ -71,7 +71,7 @@ class _Count(TorchDispatchMode):
 class _StubAttention:
     """What `PagedAttention` does on CUDA, as the count sees it: `launches` kernels."""
 
-    name, paged, graph_safe, windows = "stub", True, True, False
+    name, paged, graph_safe = "stub", True, True
 
     def __init__(self, count: _Count, launches: int) -> None:
         self.count, self.launches = count, launches

@@ -105,10 +105,8 @@ class LlamaModel:
             self._gather = GatherAttention(kernel.attend)
             if isinstance(self.attention, GatherAttention):
                 self.attention = self._gather
-        # a sliding window is masked where the attention (every path a feed may take) can
-        masks = self.attention.windows and self._gather.windows
-        self.context_length = config.context_length(masks)
-        limit = config.position_limit(masks)
+        self.context_length = config.context_length()
+        limit = config.position_limit()
         self.rope = RopeTable(config.rope, self.act_dtype, self.device, limit)
         local = config.local_rope  # Gemma's sliding layers' own
         self.local_rope = None if local is None else RopeTable(local, self.act_dtype, self.device)

@@ -38,23 +38,18 @@ class LlamaConfig:
     local_rope: rope.Rope | None = None
     sliding: tuple[bool, ...] = ()  # per layer: on local_rope (empty: none)
 
-    def context_length(self, masks_window: bool = False) -> int:
+    def context_length(self) -> int:
         """The longest sequence the native engine runs: max_position_embeddings, or less where
-        `position_limit` bounds it."""
-        limit = self.position_limit(masks_window)
+        `position_limit` bounds it (every attention path masks a sliding window)."""
+        limit = self.position_limit()
         return self.max_positions if limit is None else min(self.max_positions, limit[0])
 
-    def position_limit(self, masks_window: bool = False) -> tuple[int, str] | None:
-        """(the positions the native engine runs this model to, why), None for no bound: on an
-        attention that does not mask a sliding window (`masks_window` False), up to the window,
-        where attention is full (a query sees every key); longrope's short factors hold up to
-        the original context (`rope`)."""
-        bounds = []
-        if self.window and not masks_window:
-            bounds.append((self.window, "full attention up to its sliding window"))
+    def position_limit(self) -> tuple[int, str] | None:
+        """(the positions the native engine runs this model to, why), None for no bound:
+        longrope's short factors hold up to the original context (`rope`)."""
         if self.rope.limit:
-            bounds.append((self.rope.limit, "longrope's short factors up to its original context"))
-        return min(bounds, default=None)
+            return self.rope.limit, "longrope's short factors up to its original context"
+        return None
 
     def window_of(self, layer: int) -> int:
         """The keys layer `layer` sees before a query: the window where it slides (every layer

@@ -48,6 +48,8 @@ import torch
 # interpreter runs then matches the one the GPU gets.
 DEFAULT_SMS = 132
 MAX_SPLITS = 16
+# the kernel's reach of a layer without a window: more keys than any cache holds
+NO_WINDOW = 1 << 30
 
 
 def reference(
@@ -58,9 +60,12 @@ def reference(
     seq_index: torch.Tensor,
     positions: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """q [T, nh, d]; k_cache, v_cache [num_pages, page_size, nkv, d]; block_tables
-    [B, max_pages]; seq_index, positions [T]. Returns out [T, nh, d] in q's dtype."""
+    [B, max_pages]; seq_index, positions [T]. Each token attends to the keys at and before its
+    position, the last `window` of them where window > 0 (a sliding-window layer). Returns out
+    [T, nh, d] in q's dtype."""
     page_size, nkv = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // nkv
     key_pos = torch.arange(int(positions.max()) + 1, device=q.device)  # [L]
@@ -72,6 +77,8 @@ def reference(
     v = v_cache[pages, offsets].float().repeat_interleave(group, dim=2)  # [T, L, nh, d]
     scores = torch.einsum("thd,tlhd->thl", q.float(), k) * scale  # [T, nh, L]
     causal = key_pos[None, :] <= positions.long()[:, None]  # [T, L]
+    if window > 0:
+        causal &= key_pos[None, :] > positions.long()[:, None] - window
     scores = scores.masked_fill(~causal[:, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)  # [T, nh, L]
     return torch.einsum("thl,tlhd->thd", probs, v).to(q.dtype)
@@ -100,12 +107,14 @@ def triton_attention(
     query_starts: torch.Tensor | None = None,
     splits: int | None = None,
     max_query_len: int | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Same contract as `reference`, written into `out` [T, nh, d] (a new tensor if None; a
-    fixed one under CUDA-graph capture). `query_starts` [B + 1] (B = block_tables rows); None:
-    derived on the device from seq_index, which must then be sorted. `splits` forces S (tests);
-    None: `plan` picks it from the shapes. `max_query_len`: a bound on any sequence's token
-    count, known on the host, which picks the tile (`plan`); None: the average."""
+    """Same contract as `reference` (`window` too), written into `out` [T, nh, d] (a new tensor
+    if None; a fixed one under CUDA-graph capture). `query_starts` [B + 1] (B = block_tables
+    rows); None: derived on the device from seq_index, which must then be sorted. `splits`
+    forces S (tests); None: `plan` picks it from the shapes. `max_query_len`: a bound on any
+    sequence's token count, known on the host, which picks the tile (`plan`); None: the
+    average."""
     out = torch.empty_like(q) if out is None else out
     _check(q, k_cache, v_cache, block_tables, out, splits)
     num_tokens, num_heads, head_dim = q.shape
@@ -132,8 +141,8 @@ def triton_attention(
     attention_kernel, merge_kernel = _kernels()
     attention_kernel[launch.grid](
         q, k_cache, v_cache, out, part_acc, part_m, part_z, block_tables, query_starts,
-        positions, scale * _LOG2_E, num_seqs, num_tokens, *q.stride()[:2], *out.stride()[:2],
-        *k_cache.stride()[:3], block_tables.stride(0),
+        positions, scale * _LOG2_E, window if window > 0 else NO_WINDOW, num_seqs, num_tokens,
+        *q.stride()[:2], *out.stride()[:2], *k_cache.stride()[:3], block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_PAD=_head_pad(head_dim),
         PAGE_SIZE=page_size,
         BLOCK_Q=launch.block_q, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,

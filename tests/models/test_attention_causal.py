@@ -100,7 +100,7 @@ def test_paged_attention_hands_the_kernel_query_starts(monkeypatch):
     batch.query_starts = torch.tensor([0, 2, 4], dtype=torch.int32)
     batch.max_query_len = 2  # the tile's hint (paged_attention.plan)
     PagedAttention("triton")(q, kv, 0, batch)
-    assert seen == [{"query_starts": batch.query_starts, "max_query_len": 2}]
+    assert seen == [{"query_starts": batch.query_starts, "max_query_len": 2, "window": 0}]
 
 
 @pytest.mark.parametrize("kernel", ["triton", "reference"])

@@ -3,8 +3,8 @@ as w for a scale of 1 + w, a norm on the attention's and the MLP's outputs as we
 each, GeLU (tanh), scores scaled by query_pre_attn_scalar, per-head q/k norms, and its sliding
 layers on a RoPE base of their own, over their window's last keys. Logits against transformers'
 Gemma3ForCausalLM on the same random weights, past the sliding window, on both CPU attention
-paths (PyTorch's over gathered keys in float32, the kernel's in int8); on the paged attention,
-which does not mask a window, the model runs up to it and a position past it is refused."""
+paths (PyTorch's over gathered keys in float32, the kernel's in int8) and on the paged ones
+(the torch reference and the Triton kernel)."""
 
 import pytest
 import torch
@@ -47,7 +47,7 @@ def test_the_config_reads_gemmas_switches(gemma3):
     assert c.query_scale == pytest.approx((16 / 24) ** 0.5)
     assert c.sliding == (True, True, False) and c.window == WINDOW
     assert (c.rope.theta, c.local_rope.theta) == (1_000_000.0, 10_000.0)
-    assert c.context_length() == WINDOW and c.context_length(masks_window=True) == 256
+    assert c.context_length() == 256  # every attention masks the window: no bound
     assert [c.window_of(i) for i in range(3)] == [WINDOW, WINDOW, 0]
     assert loader.native_refusal(str(folder)) is None
 
@@ -103,14 +103,22 @@ def test_a_long_sequence_in_pieces_matches_transformers(gemma3):
             assert kl.max() < 0.02, kl
 
 
-def test_on_the_paged_attention_a_position_past_the_window_is_refused(gemma3):
-    _, folder = gemma3
-    model = LlamaModel.from_folder(folder, attention="reference")
+@pytest.mark.parametrize("attention", ["reference", "triton"])
+def test_on_the_paged_attention_past_the_window_matches_transformers(gemma3, attention):
+    """The paged attentions mask each sliding layer's window too (Triton's in its interpreter):
+    a 13-token prefill, a 9-token chunk over it (Triton's packed tiles), then steps, 30
+    positions over a window of 4."""
+    hf, folder = gemma3
+    model = LlamaModel.from_folder(folder, attention=attention)
+    assert model.context_length == 256
+    ids = [(7 * i + 3) % VOCAB for i in range(30)]
     kv = model.new_kv(32, 4)
     seq = kv.new_sequence()
-    model.forward_ragged(kv, [seq], [torch.arange(WINDOW) % VOCAB], [1])  # the last fits
-    with pytest.raises(ValueError, match="sliding window"):
-        model.forward_ragged(kv, [seq], [torch.tensor([3])], [1])
+    pieces = [ids[:13], ids[13:22], *([t] for t in ids[22:])]
+    out = torch.cat(
+        [model.forward_ragged(kv, [seq], [torch.tensor(p)], [len(p)])[0] for p in pieces]
+    )
+    torch.testing.assert_close(out, reference(hf, ids), rtol=1e-4, atol=1e-4)
 
 
 def test_int8_on_the_kernel_is_close_to_float32(gemma3):

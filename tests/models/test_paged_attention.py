@@ -91,14 +91,19 @@ def query_starts(batch: dict) -> torch.Tensor:
     return torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
 
 
-def brute_force(q, k_cache, v_cache, block_tables, seq_index, positions, scale) -> torch.Tensor:
-    """The definition, one token and one head at a time, in float64."""
+def brute_force(
+    q, k_cache, v_cache, block_tables, seq_index, positions, scale, window=0
+) -> torch.Tensor:
+    """The definition, one token and one head at a time, in float64: each token over the keys
+    at and before its position, the last `window` of them where window > 0."""
     page_size, nkv = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // nkv
     out = torch.empty(q.shape, dtype=torch.float64)
     for t in range(q.shape[0]):
         b, pos = int(seq_index[t]), int(positions[t])
-        slots = [(int(block_tables[b, j // page_size]), j % page_size) for j in range(pos + 1)]
+        first = max(0, pos - window + 1) if window else 0
+        keys = range(first, pos + 1)
+        slots = [(int(block_tables[b, j // page_size]), j % page_size) for j in keys]
         k = torch.stack([k_cache[p, o] for p, o in slots]).double()  # [L, nkv, d]
         v = torch.stack([v_cache[p, o] for p, o in slots]).double()
         for h in range(q.shape[1]):
@@ -146,6 +151,41 @@ def test_triton_matches_reference(page_size, nh, nkv, d, dtype, splits, seqs):
     result = triton_attention(**batch, out=out, splits=splits)
     assert result is out and result.dtype == dtype
     assert_matches(out, reference(**batch), dtype)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 40])
+def test_reference_with_a_sliding_window_is_the_per_token_definition(window):
+    batch = make_batch(3, 4, 2, 16, torch.float32, seed=window)
+    expected = brute_force(
+        **{n: x.cpu() if torch.is_tensor(x) else x for n, x in batch.items()}, window=window
+    )
+    assert_matches(reference(**batch, window=window), expected, torch.float32)
+    if window < 40:  # some token's window leaves keys out: the window matters here
+        assert not torch.allclose(reference(**batch), reference(**batch, window=window))
+
+
+@pytest.mark.parametrize(
+    ("page_size", "nh", "nkv", "d", "dtype", "splits", "window"),
+    [
+        (1, 2, 2, 64, torch.float32, None, 1),  # each token its own key only
+        (3, 4, 2, 64, torch.float32, 2, 7),  # windows crossing pages and split bounds
+        (16, 12, 2, 128, torch.bfloat16, None, 16),
+        (4, 14, 2, 64, torch.float32, 3, 33),  # the first tile skipped for some rows only
+        (16, 7, 1, 128, torch.float32, 5, 512),  # wider than every sequence: no effect
+    ],
+)
+def test_triton_with_a_sliding_window_matches_reference(
+    page_size, nh, nkv, d, dtype, splits, window
+):
+    """RAGGED and a 40-token chunk over 260 keys, whose rows' windows start at different key
+    tiles. Shown failing on a kernel that starts every row's keys at 0 but masks nothing (the
+    window ignored), that starts a q-block's keys at its highest row's window (not its
+    lowest's), or that lets a row see one key more than its window."""
+    seqs = (*RAGGED, (300, 40))
+    batch = make_batch(page_size, nh, nkv, d, dtype, seed=7 * window + d, seqs=seqs)
+    out = torch.full_like(batch["q"], float("nan"))
+    triton_attention(**batch, out=out, splits=splits, window=window)
+    assert_matches(out, reference(**batch, window=window), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -37,7 +37,7 @@ from smcspec.models.llama_weights import (
 from smcspec.models.rope_table import RopeTable
 from smcspec.sampling import to_device
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3_text")
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3_text", "smollm3")
 QUANTIZED = ("int8", "int4")  # CPU weight formats, each with its weight cache
 # Feeds longer than this run as successive passes of at most this many tokens per sequence, so
 # no pass builds scores [heads, T, L] over a whole long prompt: SDPA takes its math kernel
@@ -260,8 +260,11 @@ class LlamaModel:
         x = self._embedded(tokens)  # [total, H]
         turns = self.rope(batch.positions)  # (cos, sin) [total, D] each
         local = turns if self.local_rope is None else self.local_rope(batch.positions)
+        still = _no_turn(turns) if c.rotary else turns
         for i, layer in enumerate(self.layers):
             cos, sin = local if c.sliding and c.sliding[i] else turns
+            if not c.rotates(i):
+                cos, sin = still
             h = _rms(x, layer.input_norm, eps)
             x = x + _out_norm(
                 self._attention(layer, i, h, cos, sin, kv, batch), layer.attn_out_norm, eps
@@ -285,12 +288,15 @@ class LlamaModel:
         sum (the attention's with the post-attention norm, the MLP's with the next layer's
         input norm); the last layer's MLP add stays apart, as `hidden` returns x before the
         final norm (the callers keep only some rows for the logits)."""
-        eps = self.config.rms_eps
+        c = self.config
+        eps = c.rms_eps
         x = F.embedding(tokens, self.embed)  # [total, H]
-        cos, sin = self.rope(batch.positions)  # [total, D]
+        turns = self.rope(batch.positions)  # (cos, sin) [total, D]
+        still = _no_turn(turns) if c.rotary else turns
         h = fused.rms_norm(x, self.layers[0].input_norm, eps)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
+            cos, sin = turns if c.rotates(i) else still
             attended = self._attention(layer, i, h, cos, sin, kv, batch)
             h, x = fused.add_rms_norm(attended, x, layer.post_norm, eps)
             mlp = layer.down(fused.silu_mul(layer.gate_up(h)))  # [total, H]
@@ -327,11 +333,11 @@ class LlamaModel:
         self.rope.ensure(1)
         cos, sin = self.rope(torch.zeros(1, dtype=torch.long))  # identity, times yarn's factor
         keys, values = [], []
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             qkv = layer.qkv.banded(_rms(x, layer.input_norm, c.rms_eps))
             qkv = _head_norms(layer, qkv.view(1, nh + 2 * nkv, d), nh, nkv, c.rms_eps)
             _, k, v = qkv.split([nh, nkv, nkv], dim=1)  # k, v [1, nkv, d]
-            keys.append(_rope(k, cos, sin)[0])
+            keys.append(_rope(k, cos, sin)[0] if c.rotates(i) else k[0])
             values.append(v.view(nkv, d))
             attended = v.view(nkv, 1, d).expand(nkv, nh // nkv, d).reshape(1, nh * d)
             x = x + _out_norm(layer.o.banded(attended), layer.attn_out_norm, c.rms_eps)
@@ -364,6 +370,13 @@ class LlamaModel:
         attention = batch.attention or self.attention
         out = attention(q, kv, index, batch, c.window_of(index))  # [total, nh, d]
         return layer.o(out.reshape(-1, nh * d))
+
+
+def _no_turn(turns: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of no rotation, shaped as `turns`: a layer without RoPE (SmolLM3's) runs the
+    same ops on them, and x * 1 + r * 0 is x to the bit."""
+    cos, sin = turns
+    return torch.ones_like(cos), torch.zeros_like(sin)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

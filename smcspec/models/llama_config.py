@@ -37,6 +37,9 @@ class LlamaConfig:
     query_scale: float = 1.0
     local_rope: rope.Rope | None = None
     sliding: tuple[bool, ...] = ()  # per layer: on local_rope (empty: none)
+    # per layer: whether RoPE turns its q and k (SmolLM3's every 4th layer has no positions:
+    # False); empty: every layer's do
+    rotary: tuple[bool, ...] = ()
 
     def context_length(self) -> int:
         """The longest sequence the native engine runs: max_position_embeddings, or less where
@@ -51,6 +54,10 @@ class LlamaConfig:
             return self.rope.limit, "longrope's short factors up to its original context"
         return None
 
+    def rotates(self, layer: int) -> bool:
+        """Whether RoPE turns layer `layer`'s queries and keys."""
+        return not self.rotary or self.rotary[layer]
+
     def window_of(self, layer: int) -> int:
         """The keys layer `layer` sees before a query: the window where it slides (every layer
         of Phi-3's, Gemma's `sliding` ones), 0 for all."""
@@ -62,9 +69,9 @@ class LlamaConfig:
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         kind = cfg.get("model_type")
-        if kind == "qwen3" and cfg.get("use_sliding_window"):
+        if kind in ("qwen3", "smollm3") and cfg.get("use_sliding_window"):
             raise ValueError(
-                "this Qwen3 config sets use_sliding_window: the native engine runs full "
+                f"this {kind} config sets use_sliding_window: the native engine runs its full "
                 "attention only; use --backend hf"
             )
         if cfg.get("mlp_bias"):
@@ -90,6 +97,7 @@ class LlamaConfig:
             max_positions=int(cfg.get("max_position_embeddings") or 4096),
             qk_norm=kind == "qwen3",
             window=window,
+            rotary=_rotary(cfg) if kind == "smollm3" else (),
         )
 
     @classmethod
@@ -102,6 +110,19 @@ class LlamaConfig:
 
             return cls.from_hf(gguf_loader.config(path))
         return cls.from_hf(json.loads((path / "config.json").read_text()))
+
+
+def _rotary(cfg: dict) -> tuple[bool, ...]:
+    """SmolLM3's layers that rotate (`no_rope_layers`: 1 where a layer uses RoPE, 0 where it
+    sees no positions, by default every `no_rope_layer_interval`-th)."""
+    layers = int(cfg["num_hidden_layers"])
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = int(cfg.get("no_rope_layer_interval") or 4)
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    if len(flags) != layers:
+        raise ValueError(f"no_rope_layers has {len(flags)} entries for {layers} layers")
+    return tuple(bool(f) for f in flags)
 
 
 def _gemma3(cfg: dict, heads: int, head_dim: int) -> LlamaConfig:

@@ -1,0 +1,88 @@
+"""SmolLM3 on the native engine: Llama's layer, but every 4th layer without RoPE (its
+`no_rope_layers`: such a layer's q and k carry no positions). Logits against transformers'
+SmolLM3ForCausalLM on the same random weights, on a ragged batch and a long sequence in pieces
+(the CPU's attention paths and the paged reference); int8 on the kernel close to float32."""
+
+import pytest
+import torch
+
+from smcspec.models import loader
+from smcspec.models.llama import LlamaModel
+from smcspec.models.llama_config import LlamaConfig
+from tests.models.test_llama import reference
+from tests.models.test_qwen3 import FEEDS, STEPS, assert_close_in_kl, logits
+
+VOCAB = 64
+
+
+@pytest.fixture(scope="module")
+def smollm3(tmp_path_factory):
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-smollm3")
+    config = SmolLM3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    assert config.no_rope_layers == [1, 1, 1, 0]
+    torch.manual_seed(9)
+    hf = SmolLM3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.3 + (1.0 if "norm" in name else 0.0))
+    hf.save_pretrained(folder)
+    return hf, folder
+
+
+def test_the_config_reads_which_layers_rotate(smollm3):
+    _, folder = smollm3
+    c = LlamaConfig.read(folder)
+    assert c.rotary == (True, True, True, False) and c.tie_embeddings
+    assert [c.rotates(i) for i in range(4)] == [True, True, True, False]
+    assert loader.native_refusal(str(folder)) is None
+
+
+@pytest.mark.parametrize("attention", ["gather", "reference"])
+def test_logits_match_transformers(smollm3, attention):
+    hf, folder = smollm3
+    model = LlamaModel.from_folder(folder, attention=attention)
+    for feed, step, out in zip(FEEDS, STEPS, logits(model, FEEDS, STEPS), strict=True):
+        torch.testing.assert_close(out, reference(hf, feed + step), rtol=1e-4, atol=1e-4)
+    ids = [(3 * i + 5) % VOCAB for i in range(30)]
+    kv = model.new_kv(32, 4)
+    seq = kv.new_sequence()
+    pieces = [ids[:13], ids[13:22], *([t] for t in ids[22:])]
+    out = torch.cat(
+        [model.forward_ragged(kv, [seq], [torch.tensor(p)], [len(p)])[0] for p in pieces]
+    )
+    torch.testing.assert_close(out, reference(hf, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_rotating_the_fourth_layer_misses_by_far(smollm3):
+    """The same model with its NoPE layer rotated: these weights show the switch."""
+    import dataclasses
+
+    hf, folder = smollm3
+    model = LlamaModel.from_folder(folder)
+    model.config = dataclasses.replace(model.config, rotary=())
+    out = logits(model, FEEDS, STEPS)[0]
+    assert (out - reference(hf, FEEDS[0] + STEPS[0])).abs().max() > 1e-2
+
+
+def test_int8_on_the_kernel_is_close_to_float32(smollm3):
+    """int8 on the kernel (position 0 computed apart) against the float model."""
+    hf, folder = smollm3
+    assert_close_in_kl(LlamaModel.from_folder(folder, dtype="int8"), hf)
+
+
+def test_a_sliding_window_smollm3_is_refused_before_loading():
+    cfg = {
+        "model_type": "smollm3", "vocab_size": VOCAB, "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+    }  # fmt: skip
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        LlamaConfig.from_hf({**cfg, "use_sliding_window": True, "sliding_window": 8})
+    with pytest.raises(ValueError, match="no_rope_layers has 3 entries for 4 layers"):
+        LlamaConfig.from_hf({**cfg, "no_rope_layers": [1, 1, 0]})
+    assert LlamaConfig.from_hf(cfg).rotary == (True, True, True, False)  # the interval's

@@ -122,12 +122,7 @@ def triton_attention(
         return out
     _, page_size, num_kv_heads, _ = k_cache.shape
     num_seqs = block_tables.shape[0]
-    if query_starts is not None and tuple(query_starts.shape) != (num_seqs + 1,):
-        raise ValueError(f"query_starts must be [{num_seqs + 1}], got {tuple(query_starts.shape)}")
-    if query_starts is None:
-        # searchsorted, not bincount + cumsum with a host-read size: no sync, graph-safe
-        rows = torch.arange(num_seqs + 1, dtype=seq_index.dtype, device=seq_index.device)
-        query_starts = torch.searchsorted(seq_index, rows).to(torch.int32)
+    query_starts = _query_starts(seq_index, num_seqs, query_starts)
     launch = plan(
         num_tokens, num_seqs, num_heads, num_kv_heads, head_dim,
         block_tables.shape[1] * page_size, splits=splits, sm_count=_sm_count(q.device),
@@ -156,6 +151,20 @@ def triton_attention(
             SPLITS_PAD=_pow2(launch.splits),
         )  # fmt: skip
     return out
+
+
+def _query_starts(
+    seq_index: torch.Tensor, num_seqs: int, given: torch.Tensor | None
+) -> torch.Tensor:
+    """Each sequence's first flat row, and the total [B + 1]: `given` checked, or derived
+    from the sorted seq_index by searchsorted (not bincount + cumsum with a host-read size:
+    no sync, graph-safe)."""
+    if given is not None:
+        if tuple(given.shape) != (num_seqs + 1,):
+            raise ValueError(f"query_starts must be [{num_seqs + 1}], got {tuple(given.shape)}")
+        return given
+    rows = torch.arange(num_seqs + 1, dtype=seq_index.dtype, device=seq_index.device)
+    return torch.searchsorted(seq_index, rows).to(torch.int32)
 
 
 @dataclass(frozen=True)

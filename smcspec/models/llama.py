@@ -37,7 +37,7 @@ from smcspec.models.llama_weights import (
 from smcspec.models.rope_table import RopeTable
 from smcspec.sampling import to_device
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3_text", "smollm3")
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3_text", "smollm3", "olmo2")
 QUANTIZED = ("int8", "int4")  # CPU weight formats, each with its weight cache
 # Feeds longer than this run as successive passes of at most this many tokens per sequence, so
 # no pass builds scores [heads, T, L] over a whole long prompt: SDPA takes its math kernel
@@ -265,13 +265,13 @@ class LlamaModel:
             cos, sin = local if c.sliding and c.sliding[i] else turns
             if not c.rotates(i):
                 cos, sin = still
-            h = _rms(x, layer.input_norm, eps)
-            x = x + _out_norm(
+            h = _norm(x, layer.input_norm, eps)
+            x = x + _norm(
                 self._attention(layer, i, h, cos, sin, kv, batch), layer.attn_out_norm, eps
             )
-            h = _rms(x, layer.post_norm, eps)
+            h = _norm(x, layer.post_norm, eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + _out_norm(layer.down(_act(gate, c.activation) * up), layer.mlp_out_norm, eps)
+            x = x + _norm(layer.down(_act(gate, c.activation) * up), layer.mlp_out_norm, eps)
         return x
 
     def _embedded(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -334,17 +334,17 @@ class LlamaModel:
         cos, sin = self.rope(torch.zeros(1, dtype=torch.long))  # identity, times yarn's factor
         keys, values = [], []
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv.banded(_rms(x, layer.input_norm, c.rms_eps))
+            qkv = layer.qkv.banded(_norm(x, layer.input_norm, c.rms_eps))
             qkv = _head_norms(layer, qkv.view(1, nh + 2 * nkv, d), nh, nkv, c.rms_eps)
             _, k, v = qkv.split([nh, nkv, nkv], dim=1)  # k, v [1, nkv, d]
             keys.append(_rope(k, cos, sin)[0] if c.rotates(i) else k[0])
             values.append(v.view(nkv, d))
             attended = v.view(nkv, 1, d).expand(nkv, nh // nkv, d).reshape(1, nh * d)
-            x = x + _out_norm(layer.o.banded(attended), layer.attn_out_norm, c.rms_eps)
-            h = _rms(x, layer.post_norm, c.rms_eps)
+            x = x + _norm(layer.o.banded(attended), layer.attn_out_norm, c.rms_eps)
+            h = _norm(x, layer.post_norm, c.rms_eps)
             gate, up = layer.gate_up.banded(h).chunk(2, dim=-1)
             mlp = layer.down.banded(_act(gate, c.activation) * up)
-            x = x + _out_norm(mlp, layer.mlp_out_norm, c.rms_eps)
+            x = x + _norm(mlp, layer.mlp_out_norm, c.rms_eps)
         logits = self.lm_head.banded(_rms(x, self.norm, c.rms_eps))[0].float()
         return torch.stack(keys), torch.stack(values), logits
 
@@ -389,17 +389,23 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 def _head_norms(layer: Layer, qkv: torch.Tensor, nh: int, nkv: int, eps: float) -> torch.Tensor:
-    """qkv [total, nh + 2 nkv, d] with Qwen3's RMSNorm over each head's d applied to its q and k
-    heads (before RoPE); as it is where the layer has none."""
+    """qkv [total, nh + 2 nkv, d] with the layer's RMSNorm of q and of k applied (before RoPE)
+    over as much as its weight spans: each head's d (Qwen3's, Gemma's), or all of q's heads at
+    once and all of k's (OLMo 2's); as it is where the layer has none."""
     if layer.q_norm is None:
         return qkv
-    q = _rms(qkv[:, :nh], layer.q_norm, eps)
-    k = _rms(qkv[:, nh : nh + nkv], layer.k_norm, eps)
+    q, k = qkv[:, :nh], qkv[:, nh : nh + nkv]
+    if layer.q_norm.numel() != q.shape[-1]:  # over the whole projection
+        q = _rms(q.flatten(1), layer.q_norm, eps).view(q.shape)
+        k = _rms(k.flatten(1), layer.k_norm, eps).view(k.shape)
+    else:
+        q, k = _rms(q, layer.q_norm, eps), _rms(k, layer.k_norm, eps)
     return torch.cat([q, k, qkv[:, nh + nkv :]], dim=1)
 
 
-def _out_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """Gemma's norm of a block's output before the residual add; x itself where none."""
+def _norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """An RMSNorm the layer may lack: x itself where it has none (the norms of a block's output,
+    Gemma's and OLMo 2's; OLMo 2 has none before a block)."""
     return x if weight is None else _rms(x, weight, eps)
 
 

@@ -3,6 +3,7 @@ Hugging Face config or a GGUF file's metadata."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,10 @@ class LlamaConfig:
     embed_scale: float = 1.0
     norm_offset: float = 0.0
     sandwich_norms: bool = False
+    # OLMo 2: norms after the attention and after the MLP only (`sandwich_norms` without the
+    # ones before: `pre_norms` False), and q and k each normed over all their heads at once
+    pre_norms: bool = True
+    qk_norm_whole: bool = False
     activation: str = "silu"  # or "gelu_tanh"
     query_scale: float = 1.0
     local_rope: rope.Rope | None = None
@@ -82,6 +87,11 @@ class LlamaConfig:
         window = int(cfg.get("sliding_window") or 0) if kind == "phi3" else 0
         if kind == "gemma3_text":
             return _gemma3(cfg, heads, head_dim)
+        if kind == "olmo2":
+            llama = cls.from_hf({**cfg, "model_type": "llama"})
+            return dataclasses.replace(
+                llama, qk_norm=True, qk_norm_whole=True, sandwich_norms=True, pre_norms=False
+            )
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],

@@ -25,14 +25,15 @@ from smcspec.models.llama_config import LlamaConfig
 
 @dataclass
 class Layer:
-    input_norm: torch.Tensor  # [H]
+    input_norm: torch.Tensor | None  # [H] (None: OLMo 2's layer has no norm before attention)
     qkv: Linear  # H -> (heads + 2 kv_heads) * D, with Qwen2's bias
     o: Linear  # heads * D -> H
-    post_norm: torch.Tensor  # [H]
+    post_norm: torch.Tensor | None  # [H], before the MLP (None: OLMo 2)
     gate_up: Linear  # H -> 2 I
     down: Linear  # I -> H
-    q_norm: torch.Tensor | None = None  # [D], Qwen3's per-head norm of q (None: none)
-    k_norm: torch.Tensor | None = None  # [D], of k
+    # [D], Qwen3's per-head norm of q (OLMo 2's: [heads * D], over all heads); None: none
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None  # [D] or [kv_heads * D], of k
     attn_out_norm: torch.Tensor | None = None  # [H], Gemma's norm of the attention's output
     mlp_out_norm: torch.Tensor | None = None  # [H], of the MLP's
 
@@ -98,15 +99,16 @@ class WeightBuilder:
             scales = {"q": c.query_scale, "k": 1.0}
             norms = {f"{x}_norm": self.norm(w.pop(a + f"{x}_norm.weight"), scales[x]) for x in "qk"}
         before_mlp = "post_attention_layernorm"
-        if c.sandwich_norms:  # Gemma: its post-attention norm is on the attention's output
+        if c.sandwich_norms:  # Gemma, OLMo 2: the post-attention norm is on its output
             before_mlp = "pre_feedforward_layernorm"
             norms["attn_out_norm"] = self.norm(w.pop(p + "post_attention_layernorm.weight"))
             norms["mlp_out_norm"] = self.norm(w.pop(p + "post_feedforward_layernorm.weight"))
+        pre = c.pre_norms  # OLMo 2 has none before the attention and the MLP
         return Layer(
-            input_norm=self.norm(w.pop(p + "input_layernorm.weight")),
+            input_norm=self.norm(w.pop(p + "input_layernorm.weight")) if pre else None,
             qkv=self.linear(w, a + "qkv", qkv, qkv_bias),
             o=self.linear(w, a + "o", [a + "o_proj.weight"]),
-            post_norm=self.norm(w.pop(p + f"{before_mlp}.weight")),
+            post_norm=self.norm(w.pop(p + f"{before_mlp}.weight")) if pre else None,
             gate_up=self.linear(w, p + "mlp.gate_up", gate_up),
             down=self.linear(w, p + "mlp.down", [p + "mlp.down_proj.weight"]),
             **norms,
@@ -254,14 +256,16 @@ def random_weights(config: LlamaConfig, device: str | torch.device, seed: int = 
                 w[a + f"{name}_proj.bias"] = normal(rows)
         w[a + "o_proj.weight"] = normal(h, c.num_heads * d)
         if c.qk_norm:
-            w[a + "q_norm.weight"] = torch.full((d,), 1.0 - c.norm_offset, device=device)
-            w[a + "k_norm.weight"] = torch.full((d,), 1.0 - c.norm_offset, device=device)
+            for x, n_heads in (("q", c.num_heads), ("k", c.num_kv_heads)):
+                span = n_heads * d if c.qk_norm_whole else d
+                w[a + f"{x}_norm.weight"] = torch.full((span,), 1.0 - c.norm_offset, device=device)
         w[p + "mlp.gate_proj.weight"] = normal(i, h)
         w[p + "mlp.up_proj.weight"] = normal(i, h)
         w[p + "mlp.down_proj.weight"] = normal(h, i)
-        norms = ["input_layernorm", "post_attention_layernorm"]
+        norms = ["post_attention_layernorm"] + (["input_layernorm"] if c.pre_norms else [])
         if c.sandwich_norms:
-            norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+            norms += ["post_feedforward_layernorm"]
+            norms += ["pre_feedforward_layernorm"] if c.pre_norms else []
         for name in norms:  # a scale of 1, however the model stores it
             w[p + f"{name}.weight"] = torch.full((h,), 1.0 - c.norm_offset, device=device)
     return w

@@ -209,7 +209,8 @@ def _e2e_table(records: list[dict], backends: list[str], plan: dict) -> list[str
 
     lines = [
         "",
-        f"End to end: first {plan.get('prompts')} HumanEval prompts as chat messages, "
+        f"End to end: first {plan.get('prompts')} HumanEval prompts as chat messages (as plain "
+        "text for a model without a chat template), "
         f"{plan.get('max_new_tokens')} new tokens (EOS ignored), T={plan.get('temperature')}. "
         "tok/s = new tokens / wall time including the prompt's prefill; decode = the same "
         "without the prefill; x = speed-up over ar in the same engine.",

@@ -74,8 +74,8 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
         "--backend",
         default="auto",
         choices=BACKENDS,
-        help="native: Llama/Qwen2/Qwen3/Mistral on a paged KV cache; hf: transformers (any model); "
-        "auto: native where it applies",
+        help="native: the Llama family (Llama, Qwen2/3, Mistral, Phi-3, Gemma 3, SmolLM3, OLMo 2) "
+        "on a paged KV cache; hf: transformers (any model); auto: native where it applies",
     )
     p.add_argument(
         "--cache-dir",

@@ -11,3 +11,5 @@ for dtype in int8 int4; do
     .venv/bin/smcspec bench fidelity --target "$G" --draft "$G" --dtype "$dtype" \
         --out "benchmarks/cpu/gemma3-270m/fidelity-$dtype"
 done
+.venv/bin/smcspec bench engine --target "$G" --draft "$G" --methods ar --dtype int8 \
+    --backends native,hf --prompts 3 --max-new-tokens 64 --out benchmarks/cpu/gemma3-270m/engine

@@ -18,6 +18,7 @@ under a constraint), the round is replaced by one exact target step; `collapses`
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -40,6 +41,22 @@ from smcspec.decoding.population import Population
 from smcspec.decoding.smc_guide import NoGuide, PotentialGuide, RoundGuide
 from smcspec.models.base import CausalLM, KVCache
 from smcspec.potentials import Potential
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What every round of one decode reads: the particles' shared start [L] (the prompt, whose
+    first `prompt_len` tokens penalties leave out, then the tokens generated before the decode),
+    the target's and the draft's caches, the request's sampling settings, its generator, the
+    stage clock and the round guide (potentials, or none)."""
+
+    start: torch.Tensor
+    prompt_len: int
+    caches: tuple[KVCache, KVCache]
+    s: SamplingConfig
+    generator: torch.Generator
+    clock: StageClock
+    guide: RoundGuide
 
 
 def weigh(
@@ -125,13 +142,11 @@ class SMCDecoder:
         pop = Population.start(n, sampling_cfg.max_new_tokens, sampling_cfg.logprobs)
         # the particles' shared start; penalties count from the prompt's end
         with opened([*prompt, *generated], n, self.target, self.draft) as (clock, seq, caches):
-            prompt_t = seq[0]
+            run = _Run(seq[0], len(prompt), caches, sampling_cfg, generator, clock, guide)
             rounds = 0
             stopped = False
             while pop.live.numel() > 0 and pop.generated < sampling_cfg.max_new_tokens:
-                self._round(
-                    pop, prompt_t, len(prompt), caches, sampling_cfg, generator, clock, guide
-                )
+                self._round(run, pop)
                 rounds += 1
                 if torch.isneginf(pop.log_w).all():
                     break  # every particle died (only a potential can kill them all)
@@ -172,26 +187,16 @@ class SMCDecoder:
             weights = cut.to(weights.dtype)
         return int(torch.multinomial(weights, 1, generator=generator))
 
-    def _round(
-        self,
-        pop: Population,
-        prompt: torch.Tensor,
-        prompt_len: int,
-        caches: tuple[KVCache, KVCache],
-        s: SamplingConfig,
-        generator: torch.Generator,
-        clock: StageClock,
-        guide: RoundGuide,
-    ) -> None:
-        """One round from prompt [L] (the particles' shared start: the prompt, whose first
-        prompt_len tokens penalties leave out, and the tokens generated before the decode)."""
-        t_cache, d_cache = caches
+    def _round(self, run: _Run, pop: Population) -> None:
+        """One round: K draft steps, one verify pass, the weights, then resampling."""
+        s, generator, guide, prompt_len = run.s, run.generator, run.guide, run.prompt_len
+        t_cache = run.caches[0]
         k = min(self.config.draft_tokens, s.max_new_tokens - pop.generated - 1)
-        seqs = pop.live_sequences(prompt)  # [B, L + G]
+        seqs = pop.live_sequences(run.start)  # [B, L + G]
         guide.begin(pop.live.tolist())
-        with clock.stage("draft"):
-            drafts, logq_x, logq = self._propose(seqs, d_cache, k, s, generator, guide, prompt_len)
-        with clock.stage("verify"):
+        with run.clock.stage("draft"):
+            drafts, logq_x, logq = self._propose(run, seqs, k)
+        with run.clock.stage("verify"):
             feed = torch.cat([sampling.to_device(pending(seqs, t_cache), drafts.device), drafts], 1)
             logits = self.target.forward(feed, t_cache, k + 1)  # [B, k + 1, V]
             if guide.on_host:
@@ -220,30 +225,24 @@ class SMCDecoder:
         increment, kept, ended = self._weigh(block, log_ratio, s)  # [B] each
         pop.agreed.add(agree[torch.arange(k)[None, :] < kept[:, None]])  # up to a drafted EOS
         if guide.collapses(pop, increment):
-            self._exact_step(pop, (law[:, 0], logp[:, 0]), s, generator, guide)
-            for cache in caches:
-                rollback(cache, prompt.numel() + pop.generated)
+            self._exact_step(run, pop, (law[:, 0], logp[:, 0]))
+            for cache in run.caches:
+                rollback(cache, run.start.numel() + pop.generated)
         else:
             pop.reweight(increment)
             pop.extend(block, kept, ended, tuple(scored) or None)
             guide.committed(pop, bonus)
-        with clock.stage("resample"):
-            self._maybe_resample(pop, rows_before, caches, generator, guide)
+        with run.clock.stage("resample"):
+            self._maybe_resample(run, pop, rows_before)
 
     def _propose(
-        self,
-        seqs: torch.Tensor,
-        cache: KVCache,
-        k: int,
-        s: SamplingConfig,
-        generator: torch.Generator,
-        guide: RoundGuide,
-        prompt_len: int,
+        self, run: _Run, seqs: torch.Tensor, k: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Draft tokens [B, k], their log proposal probability [B, k], and the draft's law q at
         each step [B, k, V] (before a potential shapes it: for `agreement`): k batched draft
         steps from the guide's proposal law (q itself without a potential). seqs [B, T]: the
-        prompt (prompt_len tokens) and each particle's text."""
+        shared start and each particle's text."""
+        s, guide, cache = run.s, run.guide, run.caches[1]
         b = seqs.shape[0]
         tokens: list[torch.Tensor] = []  # each [B], on the draft's device
         logq_x: list[torch.Tensor] = []
@@ -254,10 +253,10 @@ class SMCDecoder:
             if guide.on_host:
                 logits = logits.cpu()
             context = [seqs, *(t[:, None] for t in tokens)]
-            scores = sampling.scores(logits, s, context, prompt_len)[:, 0]  # [B, V]
+            scores = sampling.scores(logits, s, context, run.prompt_len)[:, 0]  # [B, V]
             laws.append(sampling.tempered(scores, s, s.proposal_temperature))
             logq = guide.proposal(laws[-1], scores)
-            x = sampling.sample(logq, generator)  # [B], stays on the device: no sync
+            x = sampling.sample(logq, run.generator)  # [B], stays on the device: no sync
             tokens.append(x)
             logq_x.append(sampling.pick(logq, x))
             guide.drafted(x)
@@ -277,20 +276,16 @@ class SMCDecoder:
         return weigh(block, log_ratio, self._eos(s))
 
     def _exact_step(
-        self,
-        pop: Population,
-        first: tuple[torch.Tensor, torch.Tensor],
-        s: SamplingConfig,
-        generator: torch.Generator,
-        guide: RoundGuide,
+        self, run: _Run, pop: Population, first: tuple[torch.Tensor, torch.Tensor]
     ) -> None:
         """The round would leave every weight zero: instead of it, each live particle gets one
         token drawn exactly from the law the weights use at the round's first position (first:
         that law and p's, which logprobs report, [B, V] each), its weight unchanged but where
         the guide finds a dead end."""
         law, logp = first
+        s, guide = run.s, run.guide
         pop.collapses += 1
-        token = sampling.sample(law, generator)  # [B]
+        token = sampling.sample(law, run.generator)  # [B]
         top = s.logprobs
         scored = () if top is None else score(logp[:, None], token[:, None], top)
         # A collapsed round's second wait: which rows collapsed was known only after the first.
@@ -300,14 +295,7 @@ class SMCDecoder:
         pop.extend(token[:, None], torch.ones_like(token), ended, tuple(scored) or None)
         guide.committed(pop, token)
 
-    def _maybe_resample(
-        self,
-        pop: Population,
-        rows_before: torch.Tensor,
-        caches: tuple[KVCache, KVCache],
-        generator: torch.Generator,
-        guide: RoundGuide,
-    ) -> None:
+    def _maybe_resample(self, run: _Run, pop: Population, rows_before: torch.Tensor) -> None:
         """Resample if ESS < threshold * N, then make the cache rows match the live particles.
 
         rows_before [B] are the particles the cache rows held at the start of the round.
@@ -317,13 +305,13 @@ class SMCDecoder:
         pop.ess_history.append(ess)
         ancestors = torch.arange(n)
         if ess < self.config.resample_threshold * n:
-            ancestors = particles.resample(pop.log_w, self.config.resampling, generator)
+            ancestors = particles.resample(pop.log_w, self.config.resampling, run.generator)
             pop.resample(ancestors)
-            guide.reorder(ancestors)
+            run.guide.reorder(ancestors)
         row_of = torch.full((n,), -1, dtype=torch.long)
         row_of[rows_before] = torch.arange(rows_before.numel())
         rows = row_of[ancestors[~pop.finished]]
         assert (rows >= 0).all(), "a live particle must descend from a cached row"
         if rows.numel() != rows_before.numel() or not torch.equal(rows, torch.arange(rows.numel())):
-            for cache in caches:
+            for cache in run.caches:
                 cache.select(rows)

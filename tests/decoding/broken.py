@@ -49,8 +49,8 @@ from smcspec.decoding.speculative import SpeculativeDecoder
 class NoDraftCorrection(SMCDecoder):
     """Weights use log p only: the proposal's log q is dropped."""
 
-    def _propose(self, seqs, cache, k, s, generator, guide, prompt_len):
-        tokens, logq_x, laws = super()._propose(seqs, cache, k, s, generator, guide, prompt_len)
+    def _propose(self, run, seqs, k):
+        tokens, logq_x, laws = super()._propose(run, seqs, k)
         return tokens, torch.zeros_like(logq_x), laws
 
 
@@ -84,8 +84,9 @@ class _NoBonusNormalizer(PotentialGuide):
 class WrongDraftTemperatureWeights(SMCDecoder):
     """Drafts at `draft_temperature` but weights with q at the target's temperature."""
 
-    def _propose(self, seqs, cache, k, s, generator, guide, prompt_len):
-        tokens, logq_x, laws = super()._propose(seqs, cache, k, s, generator, guide, prompt_len)
+    def _propose(self, run, seqs, k):
+        tokens, logq_x, laws = super()._propose(run, seqs, k)
+        s = run.s
         # Re-score the drafts under q at the target temperature, on a fresh pass of the toy draft.
         logq_wrong = torch.zeros_like(logq_x)
         for row in range(seqs.shape[0]):

@@ -128,26 +128,39 @@ class LlamaModel:
         """Load a Hugging Face safetensors folder (config.json + *.safetensors)."""
         folder = Path(folder)
         config = LlamaConfig.read(folder)
-        if dtype in QUANTIZED:  # quantized once, then read from the weight cache
-            kind = cache_kind(dtype)
-            cached = weight_cache.load(folder, kind=kind)
+        if dtype in QUANTIZED:
             lazy = weight_cache.LazyWeights(weight_cache.source_files(folder))
-            model = cls(config, lazy, dtype, device, quantized=cached, **kw)
-            if cached is None:
-                weight_cache.save(folder, model.quantized_entries(), kind=kind)
-                weight_cache.give_back_freed()
-            return model
+            return cls._quantized(folder, config, lazy, dtype, device, **kw)
         return cls(config, read_safetensors(folder), dtype, device, **kw)
 
     @classmethod
     def from_gguf(
         cls, path: str | Path, dtype: str = "float32", device: str = "cpu", **kw
     ) -> LlamaModel:
-        """Load and de-quantize a GGUF file (`gguf_loader.ARCHITECTURES`)."""
+        """Load and de-quantize a GGUF file (`gguf_loader.ARCHITECTURES`); int8 and int4
+        weights are quantized once and kept in a weight cache beside the file, as a folder's."""
         from smcspec.models import gguf_loader
 
+        path = Path(path)
         config = LlamaConfig.read(path)
-        return cls(config, gguf_loader.weights(path, torch.float32), dtype, device, **kw)
+        weights = gguf_loader.weights(path, torch.float32)  # each de-quantized when read
+        if dtype in QUANTIZED:
+            return cls._quantized(path, config, weights, dtype, device, **kw)
+        return cls(config, weights, dtype, device, **kw)
+
+    @classmethod
+    def _quantized(
+        cls, spec: Path, config: LlamaConfig, weights, dtype: str, device: str, **kw
+    ) -> LlamaModel:
+        """The model with its linears from `spec`'s weight cache, or quantized from `weights`
+        (read lazily: a cached linear's float weights are never read) and then cached."""
+        kind = cache_kind(dtype)
+        cached = weight_cache.load(spec, kind=kind)
+        model = cls(config, weights, dtype, device, quantized=cached, **kw)
+        if cached is None:
+            weight_cache.save(spec, model.quantized_entries(), kind=kind)
+            weight_cache.give_back_freed()
+        return model
 
     @classmethod
     def random(

@@ -259,3 +259,18 @@ def test_a_cold_quantization_hands_its_freed_heap_back(folder, monkeypatch):
     assert calls == [1]
     LlamaModel.from_folder(folder, "int8")
     assert calls == [1]
+
+
+def test_a_gguf_file_is_quantized_once_and_cached_beside_it(tmp_path, monkeypatch):
+    """int8 from a .gguf: the first load quantizes and writes <stem>.<kind>.* beside the file
+    (the stem's dots kept), the next builds from the cache, to the same logits."""
+    from tests.models.test_gguf_conversion import write_gguf
+
+    path = write_gguf(tmp_path / "tiny-0.5b.gguf")
+    cold = LlamaModel.from_gguf(path, "int8")
+    stored = sorted(p.name for p in tmp_path.iterdir() if p.name != path.name)
+    assert stored == [f"tiny-0.5b.{INT8}.json", f"tiny-0.5b.{INT8}.safetensors"]
+    made = builds_from_cache(monkeypatch)
+    warm = LlamaModel.from_gguf(path, "int8")
+    assert made == [True]
+    assert torch.equal(logits(warm), logits(cold))

@@ -13,7 +13,7 @@ from smcspec.models import loader
 from smcspec.models.llama import LlamaModel
 from smcspec.models.llama_config import LlamaConfig
 from tests.models.test_llama import reference, write_gguf
-from tests.models.test_qwen3 import FEEDS, STEPS, assert_close_in_kl, logits
+from tests.models.test_qwen3 import FEEDS, STEPS, assert_close_in_kl, in_pieces, logits
 
 VOCAB = 64  # a multiple of 16: the output layer on the kernel too
 WINDOW = 4  # FEEDS then STEPS reach 7 positions: past it
@@ -87,12 +87,7 @@ def test_a_long_sequence_in_pieces_matches_transformers(gemma3):
     hf, folder = gemma3
     ids = [(7 * i + 3) % VOCAB for i in range(30)]
     for model in (LlamaModel.from_folder(folder), LlamaModel.from_folder(folder, dtype="int8")):
-        kv = model.new_kv(32, 4)
-        seq = kv.new_sequence()
-        pieces = [ids[:13], ids[13:22], *([t] for t in ids[22:])]
-        out = torch.cat(
-            [model.forward_ragged(kv, [seq], [torch.tensor(p)], [len(p)])[0] for p in pieces]
-        )
+        out = in_pieces(model, ids)
         want = reference(hf, ids)
         if model.dtype == "float32":
             torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
@@ -112,12 +107,7 @@ def test_on_the_paged_attention_past_the_window_matches_transformers(gemma3, att
     model = LlamaModel.from_folder(folder, attention=attention)
     assert model.context_length == 256
     ids = [(7 * i + 3) % VOCAB for i in range(30)]
-    kv = model.new_kv(32, 4)
-    seq = kv.new_sequence()
-    pieces = [ids[:13], ids[13:22], *([t] for t in ids[22:])]
-    out = torch.cat(
-        [model.forward_ragged(kv, [seq], [torch.tensor(p)], [len(p)])[0] for p in pieces]
-    )
+    out = in_pieces(model, ids)
     torch.testing.assert_close(out, reference(hf, ids), rtol=1e-4, atol=1e-4)
 
 

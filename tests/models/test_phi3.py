@@ -15,7 +15,7 @@ import torch
 from smcspec.models.llama import LlamaModel
 from smcspec.models.llama_config import LlamaConfig
 from tests.models.test_llama import reference, write_gguf
-from tests.models.test_qwen3 import FEEDS, STEPS, assert_close_in_kl, logits
+from tests.models.test_qwen3 import FEEDS, STEPS, assert_close_in_kl, in_pieces, logits
 
 VOCAB = 64
 ORIGINAL = 32  # longrope's original context: the test's sequences stay inside it
@@ -119,12 +119,7 @@ def test_past_its_window_phi3_matches_transformers(phi3_mini, attention):
     model = LlamaModel.from_folder(folder, attention=attention)
     assert model.context_length == 128  # max_position_embeddings: the window is no bound
     ids = [(5 * i + 1) % VOCAB for i in range(60)]
-    kv = model.new_kv(32, 4)
-    seq = kv.new_sequence()
-    pieces = [ids[:50], *([t] for t in ids[50:])]
-    out = torch.cat(
-        [model.forward_ragged(kv, [seq], [torch.tensor(p)], [len(p)])[0] for p in pieces]
-    )
+    out = in_pieces(model, ids, cuts=(50,))
     torch.testing.assert_close(out, reference(hf, ids), rtol=1e-4, atol=1e-4)
 
 

@@ -2,6 +2,8 @@
 size of its own (not hidden / heads). Logits against transformers' Qwen3 on the same random
 weights, from a safetensors folder and from a GGUF file; int8 on the kernel close to float32."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -43,6 +45,18 @@ def logits(model: LlamaModel, feeds: list[list[int]], steps: list[list[int]]) ->
 
 
 FEEDS, STEPS = [[1, 5, 9, 2, 7], [3, 3, 8]], [[4, 6], [11]]
+
+
+def in_pieces(model: LlamaModel, ids: list[int], cuts: tuple[int, ...] = (13, 22)) -> torch.Tensor:
+    """The logits [len(ids), V] of one sequence fed in pieces: ids up to cuts[0] as a prefill,
+    each further cut as a chunk over what came before, then the rest one step at a time."""
+    kv = model.new_kv(32, 4)
+    seq = kv.new_sequence()
+    bounds = [0, *cuts]
+    pieces = [ids[a:b] for a, b in itertools.pairwise(bounds)] + [[t] for t in ids[cuts[-1] :]]
+    return torch.cat(
+        [model.forward_ragged(kv, [seq], [torch.tensor(p)], [len(p)])[0] for p in pieces]
+    )
 
 
 def test_the_config_reads_qwen3s_switches(qwen3):

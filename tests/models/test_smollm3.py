@@ -10,7 +10,7 @@ from smcspec.models import loader
 from smcspec.models.llama import LlamaModel
 from smcspec.models.llama_config import LlamaConfig
 from tests.models.test_llama import reference
-from tests.models.test_qwen3 import FEEDS, STEPS, assert_close_in_kl, logits
+from tests.models.test_qwen3 import FEEDS, STEPS, assert_close_in_kl, in_pieces, logits
 
 VOCAB = 64
 
@@ -50,12 +50,7 @@ def test_logits_match_transformers(smollm3, attention):
     for feed, step, out in zip(FEEDS, STEPS, logits(model, FEEDS, STEPS), strict=True):
         torch.testing.assert_close(out, reference(hf, feed + step), rtol=1e-4, atol=1e-4)
     ids = [(3 * i + 5) % VOCAB for i in range(30)]
-    kv = model.new_kv(32, 4)
-    seq = kv.new_sequence()
-    pieces = [ids[:13], ids[13:22], *([t] for t in ids[22:])]
-    out = torch.cat(
-        [model.forward_ragged(kv, [seq], [torch.tensor(p)], [len(p)])[0] for p in pieces]
-    )
+    out = in_pieces(model, ids)
     torch.testing.assert_close(out, reference(hf, ids), rtol=1e-4, atol=1e-4)
 
 

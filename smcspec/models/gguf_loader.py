@@ -43,11 +43,15 @@ _LAYER = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "smollm3", "olmo2")
 # Layer tensors an architecture names otherwise: phi3's ffn_up holds gate and up, in that order
 # (transformers' gate_up_proj); gemma3's four norms a layer sit before and after the attention
-# and the MLP, its ffn_norm the one before the MLP.
+# and the MLP, its ffn_norm the one before the MLP; olmo2 has only the two after.
 _LAYER_BY_ARCH = {
+    "olmo2": {
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    },
     "phi3": {"ffn_up.weight": "mlp.gate_up_proj.weight"},
     "gemma3": {
         "post_attention_norm.weight": "post_attention_layernorm.weight",
@@ -55,6 +59,8 @@ _LAYER_BY_ARCH = {
         "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
     },
 }
+# llama.cpp's converter permutes the q/k rows of Llama and the models it converts as Llama's
+_PERMUTED = ("llama", "mistral", "smollm3")
 # llama.cpp's converter stores a Gemma norm's scale 1 + w where transformers stores w: the
 # loader takes the 1 back off, so that the weights mean what their Hugging Face names do.
 _NORM_SHIFT = {"gemma3": 1.0}
@@ -232,6 +238,11 @@ def config(path: str | Path) -> dict:
         return cfg
     if arch == "gemma3":
         cfg.update(_gemma3(cfg, int(reader.field("gemma3.attention.sliding_window", 0))))
+    if arch == "olmo2" and reader.field("olmo2.attention.sliding_window", 0):
+        raise ValueError(
+            f"{Path(path).name}: an olmo2 file with sliding-window layers (OLMo 3); the native "
+            "engine runs OLMo 2's full attention only"
+        )
     scaling = rope_scaling(reader, arch)
     if scaling:
         cfg["rope_scaling"] = scaling
@@ -317,8 +328,8 @@ class GGUFWeights:
     the whole quantized file to the reader's memory.
 
     Values are those of `gguf.quants.dequantize` on the whole tensor (the de-quantizers work block
-    by block), with llama.cpp's q/k row permutation undone for Llama and Mistral and the 1 it
-    adds to Gemma's norm scales taken off."""
+    by block), with llama.cpp's q/k row permutation undone (`_PERMUTED`) and the 1 it adds to
+    Gemma's norm scales taken off."""
 
     def __init__(self, path: str | Path, dtype: torch.dtype = torch.float32) -> None:
         reader = Header.read(path)
@@ -332,7 +343,7 @@ class GGUFWeights:
             name = hf_name(t.name, arch)
             if name is None:
                 continue
-            permute = arch in ("llama", "mistral")  # llama.cpp's converter permutes their q/k
+            permute = arch in _PERMUTED
             rows = next((n for s, n in permuted.items() if permute and name.endswith(s)), 0)
             shift = _NORM_SHIFT.get(arch, 0.0) if name.endswith("norm.weight") else 0.0
             self._stored[name] = _Stored(t.qtype, t.shape, t.offset, t.nbytes, rows, shift)

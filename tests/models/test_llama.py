@@ -114,8 +114,9 @@ def test_decoder_view_matches_transformers_through_resampling(pair):
 def write_gguf(
     path, hf, quant=None, arch="qwen2", extra=None, names=None, rope_base=10000.0, shift=None
 ):
-    """The tiny model as a GGUF file (F32, or Q8_0 for the big matrices). For llama, q/k rows
-    are permuted the way llama.cpp's converter does. `extra(writer)` may add metadata and
+    """The tiny model as a GGUF file (F32, or Q8_0 for the big matrices). For llama and
+    smollm3 (llama.cpp converts SmolLM3 with its Llama class), q/k rows are permuted the way
+    llama.cpp's converter does. `extra(writer)` may add metadata and
     tensors (RoPE scaling); `names` (state dict name -> GGUF name) replaces the loader's own
     mapping; `shift(name)` is a number the converter adds to that tensor (Gemma's norms)."""
     import gguf
@@ -141,7 +142,7 @@ def write_gguf(
         if name == "lm_head.weight" and c.tie_word_embeddings:  # llama.cpp writes it once
             continue
         array = tensor.detach().float().numpy() + (shift(name) if shift else 0.0)
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch in ("llama", "smollm3") and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = c.num_attention_heads if "q_proj" in name else c.num_key_value_heads
             rows, cols = array.shape
             array = array.reshape(heads, 2, rows // heads // 2, cols).swapaxes(1, 2)
@@ -156,6 +157,16 @@ def write_gguf(
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def gguf_names(hf, arch: str) -> dict[str, str]:
+    """State dict name -> GGUF name as llama.cpp's converter maps them for `arch` (the `gguf`
+    package's table, not the loader's)."""
+    import gguf
+
+    kind = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    table = gguf.get_tensor_name_map(kind, hf.config.num_hidden_layers)
+    return {n: table.get_name(n, try_suffixes=(".weight", ".bias")) for n in hf.state_dict()}
 
 
 def test_gguf_f32_loads_exactly_the_same_model(pair, tmp_path):

@@ -9,7 +9,7 @@ import torch
 from smcspec.models import loader
 from smcspec.models.llama import LlamaModel
 from smcspec.models.llama_config import LlamaConfig
-from tests.models.test_llama import reference
+from tests.models.test_llama import gguf_names, reference, write_gguf
 from tests.models.test_qwen3 import FEEDS, STEPS, assert_close_in_kl, in_pieces, logits
 
 VOCAB = 64
@@ -50,6 +50,28 @@ def test_logits_match_transformers(olmo2, attention):
     ids = [(3 * i + 1) % VOCAB for i in range(30)]
     out = in_pieces(model, ids)
     torch.testing.assert_close(out, reference(hf, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_a_gguf_file_loads_the_same_model(olmo2, tmp_path):
+    """llama.cpp's olmo2 layout (its post_attention_norm and post_ffw_norm, q/k not permuted):
+    the same logits as transformers."""
+    hf, _ = olmo2
+    write_gguf(tmp_path / "olmo2.gguf", hf, arch="olmo2", names=gguf_names(hf, "olmo2"))
+    model = LlamaModel.from_gguf(tmp_path / "olmo2.gguf")
+    assert model.config.qk_norm_whole and not model.config.pre_norms
+    for feed, step, out in zip(FEEDS, STEPS, logits(model, FEEDS, STEPS), strict=True):
+        torch.testing.assert_close(out, reference(hf, feed + step), rtol=1e-4, atol=1e-4)
+
+
+def test_an_olmo3_gguf_is_refused_before_loading(olmo2, tmp_path):
+    """OLMo 3 files say olmo2 too, with sliding-window layers the engine does not run."""
+    hf, _ = olmo2
+    path = tmp_path / "olmo3.gguf"
+    write_gguf(path, hf, arch="olmo2", names=gguf_names(hf, "olmo2"),
+               extra=lambda w: w.add_sliding_window(16))  # fmt: skip
+    with pytest.raises(ValueError, match="sliding-window layers"):
+        LlamaConfig.read(path)
+    assert "sliding-window" in loader.native_refusal(str(path))
 
 
 @pytest.mark.parametrize("drop", ["output norms", "whole q/k norm"])

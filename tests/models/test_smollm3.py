@@ -9,7 +9,7 @@ import torch
 from smcspec.models import loader
 from smcspec.models.llama import LlamaModel
 from smcspec.models.llama_config import LlamaConfig
-from tests.models.test_llama import reference
+from tests.models.test_llama import gguf_names, reference, write_gguf
 from tests.models.test_qwen3 import FEEDS, STEPS, assert_close_in_kl, in_pieces, logits
 
 VOCAB = 64
@@ -63,6 +63,19 @@ def test_rotating_the_fourth_layer_misses_by_far(smollm3):
     model.config = dataclasses.replace(model.config, rotary=())
     out = logits(model, FEEDS, STEPS)[0]
     assert (out - reference(hf, FEEDS[0] + STEPS[0])).abs().max() > 1e-2
+
+
+def test_a_gguf_file_loads_the_same_model(smollm3, tmp_path):
+    """llama.cpp's smollm3 layout: Llama's names, q/k rows permuted, the embeddings tied, and
+    no key for the NoPE layers (llama.cpp fixes every 4th, as transformers' default does)."""
+    hf, _ = smollm3
+    base = hf.config.rope_parameters["rope_theta"]  # SmolLM3's 2e6, not write_gguf's 1e4
+    write_gguf(tmp_path / "smollm3.gguf", hf, arch="smollm3", names=gguf_names(hf, "smollm3"),
+               rope_base=base)  # fmt: skip
+    model = LlamaModel.from_gguf(tmp_path / "smollm3.gguf")
+    assert model.config.rotary == (True, True, True, False) and model.config.tie_embeddings
+    for feed, step, out in zip(FEEDS, STEPS, logits(model, FEEDS, STEPS), strict=True):
+        torch.testing.assert_close(out, reference(hf, feed + step), rtol=1e-4, atol=1e-4)
 
 
 def test_int8_on_the_kernel_is_close_to_float32(smollm3):

@@ -74,7 +74,7 @@ class LlamaConfig:
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         kind = cfg.get("model_type")
-        if kind in ("qwen3", "smollm3") and cfg.get("use_sliding_window"):
+        if kind in ("qwen2", "qwen3", "smollm3") and cfg.get("use_sliding_window"):
             raise ValueError(
                 f"this {kind} config sets use_sliding_window: the native engine runs its full "
                 "attention only; use --backend hf"
@@ -83,8 +83,9 @@ class LlamaConfig:
             raise ValueError(
                 "this config sets mlp_bias: the native engine's MLP has no biases; use --backend hf"
             )
-        # Phi-3: a query sees the window's last keys; sequences up to it are full attention
-        window = int(cfg.get("sliding_window") or 0) if kind == "phi3" else 0
+        # Phi-3, Mistral v0.1: every layer's query sees the window's last keys (Qwen's
+        # sliding_window is read only under use_sliding_window, refused above)
+        window = int(cfg.get("sliding_window") or 0) if kind in ("phi3", "mistral") else 0
         if kind == "gemma3_text":
             return _gemma3(cfg, heads, head_dim)
         if kind == "olmo2":

@@ -362,16 +362,24 @@ class MSDConfig:
     """Exact multi-draft speculative decoding: N independent drafts of K tokens per round,
     verified as a token tree (SpecInfer's multi-round speculative sampling). N = 1 is sd.
     verify: "token" walks the tree token by token; "block" block-verifies one draft at a time
-    and tests the others where it stops (`decoding.msd_block`)."""
+    and tests the others where it stops (`decoding.msd_block`). proposal: "draft" (every draft
+    from the draft model); "lookup+draft" or "lookup" (alike here: the first draft is the
+    text's own continuation where prompt lookup finds one, n <= lookup_ngram, tested first as a
+    point mass, the others the draft model's; such a round walks token by token whatever
+    `verify` says: `msd_lookup`)."""
 
     particles: int = MSD_PARTICLES
     draft_tokens: int = MSD_DRAFT_TOKENS
     verify: str = SD_VERIFY
+    proposal: str = "draft"
+    lookup_ngram: int = 3
 
     def __post_init__(self) -> None:
         _require_count(self, "particles", "particles (N)")
         _require_count(self, "draft_tokens", "draft_tokens (K)")
         _require_choice(self, "verify", VERIFY_RULES)
+        _require_choice(self, "proposal", PROPOSALS)
+        _require_count(self, "lookup_ngram")
 
 
 @dataclass(frozen=True)

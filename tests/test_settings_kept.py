@@ -19,7 +19,7 @@ from smcspec.models.toy import perturbed_lm, random_lm
 READS = {
     "ar": set(),
     "sd": {"draft_tokens", "verify", "proposal", "lookup_ngram"},
-    "msd": {"particles", "draft_tokens", "verify"},
+    "msd": {"particles", "draft_tokens", "verify", "proposal", "lookup_ngram"},
     "smc": {"particles", "draft_tokens", "resample_threshold", "resampling"},
     "auto": {"particles", "draft_tokens", "approximate"},
 }

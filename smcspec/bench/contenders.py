@@ -27,6 +27,7 @@ METHOD_NAMES = (
     "smc",
     "msd",
     "msd-block",
+    "msd-lookup-draft",
     "auto",
     "auto-approx",
     "hf",
@@ -41,14 +42,19 @@ SD_VARIANTS = {
     "sd-lookup": {"proposal": "lookup"},
     "sd-lookup-draft": {"proposal": "lookup+draft"},
 }
-# ours: run by `LLM.generate` under the method name it knows (sd's variants as sd)
+# msd's variants: the settings each adds to msd's N and K
+MSD_VARIANTS = {
+    "msd-block": {"verify": "block"},
+    "msd-lookup-draft": {"proposal": "lookup+draft"},
+}
+# ours: run by `LLM.generate` under the method name it knows (sd's variants as sd, msd's as msd)
 OURS = {
     "ar": "ar",
     "sd": "sd",
     **dict.fromkeys(SD_VARIANTS, "sd"),
     "smc": "smc",
     "msd": "msd",
-    "msd-block": "msd",
+    **dict.fromkeys(MSD_VARIANTS, "msd"),
     "auto": "auto",
     "auto-approx": "auto",
 }
@@ -59,7 +65,7 @@ DRAFTING = (
     "sd-lookup-draft",
     "smc",
     "msd",
-    "msd-block",
+    *MSD_VARIANTS,
     "auto",
     "auto-approx",
 )
@@ -88,10 +94,9 @@ class Contender:
                 label += f" ESS<{threshold:g}N"
             if "power_alpha" in s:
                 label += f" power={s['power_alpha']:g}"
-        elif self.method in ("msd", "msd-block"):
+        elif self.method in ("msd", *MSD_VARIANTS):
             label = f"msd N={s['particles']} K={s['draft_tokens']}"
-            if "verify" in s:
-                label += f" {s['verify']}"
+            label += "".join(f" {s[key]}" for key in ("verify", "proposal") if key in s)
         elif self.method == "auto-approx":
             label = "auto approx"
         elif self.method == "llama-cpp":
@@ -155,7 +160,7 @@ def build_grid(
                 out.append(Contender(method, settings))
         elif method == "smc":
             out += _smc_grid(smc_n, smc_k, resample_threshold, smc_power or [])
-        elif method in ("msd", "msd-block"):  # msd-block: msd with verify="block"
+        elif method in ("msd", *MSD_VARIANTS):  # a variant: msd with its settings
             out += _msd_grid(method, msd_n or [2, 4], msd_k or sd_k)
         elif method == "auto-approx":
             out.append(Contender(method, {"approximate": True}))
@@ -185,7 +190,7 @@ def _smc_grid(smc_n, smc_k, resample_threshold, smc_power) -> list[Contender]:
 
 
 def _msd_grid(method: str, msd_n: list[int], msd_k: list[int]) -> list[Contender]:
-    rule = {"verify": "block"} if method == "msd-block" else {}
+    rule = MSD_VARIANTS.get(method, {})
     out = []
     for n in msd_n:
         for k in msd_k:

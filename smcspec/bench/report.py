@@ -14,7 +14,7 @@ from smcspec.engine import method_names, method_row, setting_label
 Z95 = 1.959963984540054
 STAGES = ("prefill", "draft", "verify", "resample", "other")
 # methods whose diagnostics count accepted and proposed drafts without a rate
-COUNTED = ("msd", "msd-block", "auto", "auto-approx")
+COUNTED = ("msd", "msd-block", "msd-lookup-draft", "auto", "auto-approx")
 PROMPT_SET_NAMES = {
     "humaneval": "HumanEval",
     "gsm8k": "GSM8K",

@@ -132,7 +132,7 @@ def write_speed_report(out_dir: str | Path) -> list[dict]:
     hdr = report.header_of(path)
     title = report.speed_caption(hdr, machines(path))
     text = f"{title}\n\n{report.speed_table(rows)}"
-    if any(r["method"] in ("msd", "msd-block", "auto", "auto-approx") for r in rows):
+    if any(r["method"] in report.COUNTED for r in rows):
         cells = report.best_fixed_table(report.best_fixed(rows))
         text += f"\nBest fixed setting per cell (median tok/s):\n\n{cells}"
     (out / "speed.md").write_text(text)

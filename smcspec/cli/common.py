@@ -238,15 +238,15 @@ def add_sd_options(p: argparse.ArgumentParser) -> None:
         choices=PROPOSALS,
         default=None,
         help="sd: drafts from the draft model, from the text itself (prompt lookup: the tokens "
-        "that followed its last n-gram before), or lookup where it matches, else the draft "
-        "(default draft)",
+        "that followed its last n-gram before), or lookup where it matches, else the draft; "
+        "msd: the draft model, or (either lookup) the lookup as its first draft (default draft)",
     )
     p.add_argument(
         "--lookup-ngram",
         type=int,
         default=None,
         metavar="N",
-        help="sd's lookup: the longest n-gram matched, then shorter ones (default 3)",
+        help="sd's and msd's lookup: the longest n-gram matched, then shorter ones (default 3)",
     )
 
 

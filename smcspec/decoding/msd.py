@@ -36,13 +36,14 @@ the token its row drew).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
 from smcspec import sampling
 from smcspec.config import MSDConfig, SamplingConfig
-from smcspec.decoding import msd_block
+from smcspec.decoding import lookup, msd_block, msd_lookup
 from smcspec.decoding.agreement import Tally, agreement
 from smcspec.decoding.base import (
     DecodeResult,
@@ -153,8 +154,9 @@ class MultiDraftDecoder:
         (`restart`)."""
         t_cache, d_cache = caches
         seqs = seq.expand(self.config.particles, -1)  # [N, T]: every row holds the same text
+        found = self._lookup(seq, k)
         with clock.stage("draft"):
-            drafts, logq = self._propose(seqs, d_cache, k, s, generator, prompt_len)
+            drafts, logq = self._propose(seqs, d_cache, k, s, generator, prompt_len, found)
         with clock.stage("verify"):
             head = sampling.to_device(pending(seqs, t_cache), drafts.device)
             logits = self.target.forward(torch.cat([head, drafts], 1), t_cache, k + 1)
@@ -162,9 +164,11 @@ class MultiDraftDecoder:
             drafts = sampling.to_device(drafts, logp.device)  # a no-op but for k = 0
             logq = sampling.to_device(logq, logp.device)
             u = sampling.uniforms((k * drafts.shape[0] + 1,), generator, logp.device)
-            path, depth, winner = self._verify(drafts, logq, logp, u)  # [k + 1], [], []
+            laws = _with_lookup(logq, found)  # the walk's: the lookup's point masses in row 0
+            path, depth, winner = self._verify(drafts, laws, logp, u, found)
             scored = () if s.logprobs is None else _score(logp, winner, path, s.logprobs)
-            agree = _agreement(logp, logq, winner)  # [k]
+            agree = _agreement(logp, logq, winner)  # [k], the draft model's laws
+
             # The round's one wait for the device, after the K draft steps, the verify pass and
             # the walk are all queued: the block is cut and the rows restarted on the host.
             path, depth, winner, agree, *scored = sampling.to_host(
@@ -175,6 +179,13 @@ class MultiDraftDecoder:
         agree = agree[: min(len(block), k)]
         return Round(block, int(depth), kept, done, int(winner), logprobs, agree)
 
+    def _lookup(self, seq: torch.Tensor, k: int) -> list[int]:
+        """The lookup draft's tokens (up to k; [] where it finds none or is not asked for;
+        "lookup" and "lookup+draft" alike: the other drafts need the draft model anyway)."""
+        if self.config.proposal == "draft":
+            return []
+        return lookup.continuation(seq[0].tolist(), k, self.config.lookup_ngram)
+
     def _propose(
         self,
         seqs: torch.Tensor,
@@ -183,17 +194,22 @@ class MultiDraftDecoder:
         s: SamplingConfig,
         generator: torch.Generator,
         prompt_len: int,
+        found: Sequence[int] = (),
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """N independent drafts [N, k] and the draft law q at each of their tokens [N, k, V]:
-        k batched draft steps. seqs [N, T]: the prompt (prompt_len tokens) and the text."""
+        k batched draft steps. seqs [N, T]: the prompt (prompt_len tokens) and the text. Row 0
+        takes the lookup's tokens `found` for its first drafts (the draft model fed them, so
+        that its cache holds them and q there is still the model's, for the agreement)."""
         tokens: list[torch.Tensor] = []  # each [N], on the draft's device
         laws: list[torch.Tensor] = []
         feed = pending(seqs, cache)
-        for _ in range(k):
+        for i in range(k):
             logits = self.draft.forward(feed, cache, 1)[:, -1:]  # [N, 1, V]
             context = [seqs, *(t[:, None] for t in tokens)]
             logq = sampling.law(logits, s, s.proposal_temperature, context, prompt_len)[:, 0]
             x = sampling.sample(logq, generator)  # [N], stays on the device: no sync
+            if i < len(found):
+                x = x.index_fill(0, torch.zeros(1, dtype=torch.long, device=x.device), found[i])
             tokens.append(x)
             laws.append(logq)
             feed = x[:, None]
@@ -205,10 +221,18 @@ class MultiDraftDecoder:
         return torch.stack(tokens, dim=1), torch.stack(laws, dim=1)
 
     def _verify(
-        self, drafts: torch.Tensor, logq: torch.Tensor, logp: torch.Tensor, u: torch.Tensor
+        self,
+        drafts: torch.Tensor,
+        logq: torch.Tensor,
+        logp: torch.Tensor,
+        u: torch.Tensor,
+        found: Sequence[int] = (),
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`verify`, or `msd_block.verify` for the block rule (a hook for the broken variants
-        the tests must reject)."""
+        """`verify`, `msd_block.verify` for the block rule, or `msd_lookup.verify` for a round
+        whose first draft is the lookup's (a hook for the broken variants the tests must
+        reject)."""
+        if found:
+            return msd_lookup.verify(drafts, logq, logp, u)
         walk = msd_block.verify if self.config.verify == "block" else verify
         return walk(drafts, logq, logp, u)
 
@@ -304,6 +328,16 @@ class _NodeLaws:
         p = self.logp.index_select(0, (row * (self.k + 1) + depth)[None])[0]
         q = self.logq.index_select(0, (row * self.k + at_q)[None])[0]
         return p.to(torch.float64).exp_(), q.to(torch.float64).exp_()
+
+
+def _with_lookup(logq: torch.Tensor, found: Sequence[int]) -> torch.Tensor:
+    """logq [N, k, V] with row 0's first len(found) laws the lookup's point masses."""
+    if not found:
+        return logq
+    out = logq.clone()
+    masses = lookup.point_masses(list(found), logq.shape[-1])
+    out[0, : len(found)] = masses.to(logq.device, logq.dtype, non_blocking=True)
+    return out
 
 
 def _score(

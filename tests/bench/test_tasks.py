@@ -219,21 +219,23 @@ def test_sds_variants_run_as_sd_with_their_settings():
         assert len(out["token_ids"]) == 12 and out["proposed_tokens"] > 0, contender.label
 
 
-def test_msd_block_runs_as_msd_with_the_block_rule(monkeypatch):
-    """`msd-block` is msd over its (N, K) grid with verify="block", run through LLM.generate
-    as msd: the config the decoder gets carries the rule."""
+def test_msd_variants_run_as_msd_with_their_settings(monkeypatch):
+    """`msd-block` and `msd-lookup-draft` are msd over its (N, K) grid with verify="block" /
+    proposal="lookup+draft", run through LLM.generate as msd: the config the decoder gets
+    carries the setting."""
     from smcspec import LLM
     from smcspec.bench.contenders import run
     from smcspec.decoding import msd
     from smcspec.models.toy import perturbed_lm, random_lm
 
-    grid = build_grid(["msd", "msd-block"], [3], [2], [2], msd_n=[2], msd_k=[3])
-    assert [c.label for c in grid] == ["msd N=2 K=3", "msd N=2 K=3 block"]
+    grid = build_grid(["msd", "msd-block", "msd-lookup-draft"], [3], [2], [2], msd_n=[2], msd_k=[3])
+    labels = ["msd N=2 K=3", "msd N=2 K=3 block", "msd N=2 K=3 lookup+draft"]
+    assert [c.label for c in grid] == labels
     seen = []
     decode = msd.MultiDraftDecoder.decode
 
     def spy(self, *args, **kwargs):
-        seen.append(self.config.verify)
+        seen.append(self.config.verify if self.config.proposal == "draft" else "lookup")
         return decode(self, *args, **kwargs)
 
     monkeypatch.setattr(msd.MultiDraftDecoder, "decode", spy)
@@ -242,4 +244,4 @@ def test_msd_block_runs_as_msd_with_the_block_rule(monkeypatch):
     for contender in grid:
         out = run(llm, contender, [1, 2, 1, 2, 1], 1.0, 12, False, seed=0)
         assert len(out["token_ids"]) == 12, contender.label
-    assert seen == ["token", "block"]
+    assert seen == ["token", "block", "lookup"]

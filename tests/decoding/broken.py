@@ -181,7 +181,7 @@ class MSDReference(MultiDraftDecoder):
     bug = None
     walk = staticmethod(tree_walk)
 
-    def _verify(self, drafts, logq, logp, u):
+    def _verify(self, drafts, logq, logp, u, found=()):
         width = drafts.shape[1] + 1
         path, depth, winner = self.walk(drafts, logq, logp, u, self.bug)
         return torch.cat([path, path[-1:].expand(width - path.numel())]), depth, winner
@@ -202,12 +202,12 @@ class MSDKeepsMismatchedDrafts(MSDReference):
 class MSDBonusFromDraft(MultiDraftDecoder):
     """Drafts K + 1 tokens a row and, when all K are accepted, commits the winner's last one."""
 
-    def _propose(self, seqs, cache, k, s, generator, prompt_len):
-        drafts, logq = super()._propose(seqs, cache, k + 1, s, generator, prompt_len)
+    def _propose(self, seqs, cache, k, s, generator, prompt_len, found=()):
+        drafts, logq = super()._propose(seqs, cache, k + 1, s, generator, prompt_len, found)
         self.extra = drafts[:, k]
         return drafts[:, :k], logq[:, :k]
 
-    def _verify(self, drafts, logq, logp, u):
+    def _verify(self, drafts, logq, logp, u, found=()):
         width = drafts.shape[1] + 1
         path, depth, winner = tree_walk(drafts, logq, logp, u, bonus=self.extra)
         return torch.cat([path, path[-1:].expand(width - path.numel())]), depth, winner
@@ -422,3 +422,15 @@ class MSDBlockReusesStoppedDraft(MSDBlockReference):
 
 class MSDBlockTokenResidual(MSDBlockReference):
     bug = "token residual at the stop"
+
+
+class MSDLookupWithDraftQ(MultiDraftDecoder):
+    """msd's lookup draft tested as if the draft model had proposed it: the walk reads row 0's
+    model q at the looked-up tokens (the draft model was fed them), not their point masses."""
+
+    def _propose(self, seqs, cache, k, s, generator, prompt_len, found=()):
+        drafts, self.model_q = super()._propose(seqs, cache, k, s, generator, prompt_len, found)
+        return drafts, self.model_q
+
+    def _verify(self, drafts, logq, logp, u, found=()):
+        return super()._verify(drafts, self.model_q, logp, u, found)

@@ -124,6 +124,10 @@ READS: dict[tuple[str, str, str], tuple[str, str]] = {
         HOST,
         "the committed text, kept on the host (a lookup proposal searches it)",
     ),
+    ("msd.py", "MultiDraftDecoder._lookup", "seq[0].tolist()"): (
+        HOST,
+        "the committed text, kept on the host (the lookup draft searches it)",
+    ),
     ("speculative.py", "SpeculativeDecoder._accept", "int(accepted)"): (HOST, "read back"),
     ("speculative.py", "SpeculativeDecoder._accept", "int(final)"): (HOST, "read back"),
     ("logprobs.py", "to_host", "ids.tolist()"): (HOST, "read back above"),

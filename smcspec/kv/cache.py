@@ -8,6 +8,12 @@ one page is copied (copy on write), so no sequence ever sees another's tokens.
 The pool holds one page more than the allocator hands out: `scratch_page`, which no sequence
 owns. A batch padded to a fixed shape (a CUDA graph's) writes its padding rows' keys there.
 Page tables and lengths live on the host; the tensors live on `device`.
+
+A model whose every layer attends to a sliding window never reads a key again once it has
+fallen below the window of every query still to come: `forget_before` returns such pages to
+the pool, their table entries pointing at the scratch page (positions keep their pages' places,
+and no attention path reads below a query's window). `forgotten[seq]` is the position below
+which a sequence's keys are gone; a pass that would need one is refused (`check_kept`).
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ class PagedKVCache:
         self.v = _zeros(shape, dtype, self.device)
         self.tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
+        self.forgotten: dict[int, int] = {}  # keys below this position are freed
         # Sequence ids from a C-level counter: taking one is atomic, so threads that open
         # sequences at once (a scheduler's jobs) never get the same id.
         self._ids = itertools.count()
@@ -53,6 +60,7 @@ class PagedKVCache:
         seq = next(self._ids)
         self.tables[seq] = []
         self.lengths[seq] = 0
+        self.forgotten[seq] = 0
         return seq
 
     def fork(self, seq: int) -> int:
@@ -60,17 +68,19 @@ class PagedKVCache:
         child = self.new_sequence()
         self.tables[child] = self.allocator.fork(self.tables[seq])
         self.lengths[child] = self.lengths[seq]
+        self.forgotten[child] = self.forgotten[seq]
         return child
 
     def assign(self, seqs: list[int], ancestors: list[int]) -> None:
         """Resampling: seqs[i] becomes a copy of ancestors[i] (given as sequence ids), all at
         once, by page-table copies and reference counts only."""
         new_tables = [self.allocator.fork(self.tables[a]) for a in ancestors]
-        new_lengths = [self.lengths[a] for a in ancestors]
-        for seq, table, length in zip(seqs, new_tables, new_lengths, strict=True):
+        kept = [(self.lengths[a], self.forgotten[a]) for a in ancestors]
+        for seq, table, (length, floor) in zip(seqs, new_tables, kept, strict=True):
             self.allocator.release(self.tables[seq])
             self.tables[seq] = table
             self.lengths[seq] = length
+            self.forgotten[seq] = floor
 
     def truncate(self, seq: int, length: int) -> None:
         """Forget positions >= length (speculative rollback); frees pages no longer needed."""
@@ -79,10 +89,33 @@ class PagedKVCache:
         self.allocator.release(self.tables[seq][keep:])
         del self.tables[seq][keep:]
         self.lengths[seq] = length
+        self.forgotten[seq] = min(self.forgotten[seq], length)  # what is left below is gone
 
     def release(self, seq: int) -> None:
         self.allocator.release(self.tables.pop(seq))
         del self.lengths[seq]
+        del self.forgotten[seq]
+
+    def forget_before(self, seq: int, position: int) -> None:
+        """Return to the pool the pages of `seq` that hold only positions below `position`
+        (their entries become the scratch page): keys no query to come will read."""
+        table, ps = self.tables[seq], self.page_size
+        whole = min(max(position, 0) // ps, len(table))
+        gone = [p for p in table[:whole] if p != self.scratch_page]
+        if not gone:
+            return
+        self.allocator.release(gone)
+        table[:whole] = [self.scratch_page] * whole
+        self.forgotten[seq] = max(self.forgotten[seq], whole * ps)
+
+    def check_kept(self, seq: int, first_key: int) -> None:
+        """Refuse a pass whose queries need keys from `first_key` on where they were freed."""
+        if max(first_key, 0) < self.forgotten[seq]:
+            raise ValueError(
+                f"sequence {seq} needs keys from position {first_key}, but those below "
+                f"{self.forgotten[seq]} fell out of the sliding window and were freed (a "
+                "rollback longer than the cache keeps behind the window)"
+            )
 
     # -- data ------------------------------------------------------------------------------
 
@@ -91,15 +124,19 @@ class PagedKVCache:
         (slot = page * page_size + offset). Raises OutOfPages, leaving `seq` unchanged."""
         length, table = self.lengths[seq], self.tables[seq]
         needed = -(-(length + n) // self.page_size) - len(table)
-        cow = length % self.page_size != 0 and self.allocator.refs(table[-1]) > 1
-        if needed + int(cow) > self.allocator.free_pages:
+        partial = length % self.page_size != 0
+        # a last page forgotten (after a rollback into freed keys) is replaced, not written
+        lost = partial and table[-1] == self.scratch_page
+        cow = partial and not lost and self.allocator.refs(table[-1]) > 1
+        if needed + int(cow or lost) > self.allocator.free_pages:
             from smcspec.kv.pages import OutOfPages
 
-            raise OutOfPages(
-                f"sequence {seq} needs {needed + int(cow)} pages, {self.allocator.free_pages} free"
-            )
+            extra, free = needed + int(cow or lost), self.allocator.free_pages
+            raise OutOfPages(f"sequence {seq} needs {extra} pages, {free} free")
         if cow:
             self._copy_last_page(seq)
+        elif lost:
+            table[-1] = self.allocator.allocate()
         for _ in range(needed):
             table.append(self.allocator.allocate())
         ps = self.page_size

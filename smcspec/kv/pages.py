@@ -61,11 +61,14 @@ class PageAllocator:
             self._free.append(page)
 
     def fork(self, table: list[int]) -> list[int]:
-        """A copy of a page table sharing every page."""
+        """A copy of a page table sharing every page (a table's entries past the pool, the
+        cache's scratch page standing for forgotten pages, are no one's: not counted)."""
         for page in table:
-            self.inc_ref(page)
+            if page < self.num_pages:
+                self.inc_ref(page)
         return list(table)
 
     def release(self, table: list[int]) -> None:
         for page in table:
-            self.dec_ref(page)
+            if page < self.num_pages:
+                self.dec_ref(page)

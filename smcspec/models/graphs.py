@@ -246,6 +246,7 @@ class GraphRunner:
         kv, b, total = self.kv, len(seqs), sum(counts)
         pad = bucket - total
         starts = [kv.lengths[s] for s in seqs]
+        self.model.forget_old_keys(kv, seqs, starts)
         slots = torch.cat([kv.reserve(s, n) for s, n in zip(seqs, counts, strict=True)])
         ends = torch.tensor(counts + [1] * pad).cumsum(0).tolist()  # query_starts[1:]
         qs = [0, *ends] + [bucket] * (bucket - b - pad)  # [T + 1]

@@ -46,6 +46,9 @@ QUANTIZED = ("int8", "int4")  # CPU weight formats, each with its weight cache
 # 2048-token pass over 32k keys. At 2048 rows a pass is still compute-bound (7B on an H200:
 # ~40 ms of matmuls against the 3 ms weight read each extra pass repeats).
 PREFILL_CHUNK = 2048
+# positions kept below the sliding window (every layer sliding): a rollback may move the next
+# query back by this many (sd's K + 1 after a verification); a longer one is refused
+KEPT_BEHIND_WINDOW = 256
 
 
 class LlamaModel:
@@ -242,6 +245,7 @@ class LlamaModel:
         self.rope.ensure(max(ends))  # first: it may refuse, and nothing is reserved yet
         if self.local_rope is not None:
             self.local_rope.ensure(max(ends))
+        self.forget_old_keys(kv, seqs, starts)
         slots = torch.cat([kv.reserve(s, n) for s, n in zip(seqs, counts, strict=True)])
         positions = torch.cat([torch.arange(s, e) for s, e in zip(starts, ends, strict=True)])
         dev = self.device
@@ -323,6 +327,18 @@ class LlamaModel:
         """Next-token logits [n, V] (in the weights' float type) of hidden states x [n, H]."""
         norm = fused.rms_norm if self.fused else _rms
         return self.lm_head(norm(x, self.norm, self.config.rms_eps))
+
+    def forget_old_keys(self, kv: PagedKVCache, seqs: list[int], starts: list[int]) -> None:
+        """Where every layer slides over `window` keys, free the pages below the window of the
+        first query of this pass less KEPT_BEHIND_WINDOW positions (a rollback, as sd's and
+        msd's after a verification, moves the next query back by at most that); refuse a
+        pass that would need a freed key. Other models keep every key."""
+        window = self.config.window
+        if not window or any(not s for s in self.config.sliding):
+            return
+        for seq, start in zip(seqs, starts, strict=True):
+            kv.check_kept(seq, start - window + 1)
+            kv.forget_before(seq, start - window + 1 - KEPT_BEHIND_WINDOW)
 
     def _write_sink(self, kv: PagedKVCache, seq: int, token: int) -> torch.Tensor:
         """Store position 0 of `seq` (token id `token`); return its next-token logits [V]."""

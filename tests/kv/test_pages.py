@@ -35,7 +35,7 @@ def test_running_out_of_pages_is_a_clean_error():
 
 ops = st.lists(
     st.tuples(
-        st.sampled_from(["append", "fork", "assign", "truncate", "release"]),
+        st.sampled_from(["append", "fork", "assign", "truncate", "release", "forget"]),
         st.integers(0, 10**6),
         st.integers(1, 5),
     ),
@@ -90,6 +90,8 @@ def test_random_operations_match_a_contiguous_cache(ops, page_size):
         elif op == "release":
             cache.release(seq)
             del naive[seq]
+        elif op == "forget":  # the keys below a position freed (a sliding window's past)
+            cache.forget_before(seq, pick % (len(naive[seq]) + 1))
         check(cache, naive)
     for seq in list(naive):
         cache.release(seq)
@@ -97,18 +99,24 @@ def test_random_operations_match_a_contiguous_cache(ops, page_size):
 
 
 def check(cache: PagedKVCache, naive: dict) -> None:
+    """Every page's count is the tables' references to it (forgotten entries, the scratch page,
+    count for none), and every sequence holds its tokens' K/V from its forgotten position on."""
     refs = [0] * cache.allocator.num_pages
     for table in cache.tables.values():
         for page in table:
-            refs[page] += 1
+            if page != cache.scratch_page:
+                refs[page] += 1
     assert refs == [cache.allocator.refs(p) for p in range(cache.allocator.num_pages)]
     for seq, tokens in naive.items():
         assert cache.lengths[seq] == len(tokens)
+        kept, table, ps = cache.forgotten[seq], cache.tables[seq], cache.page_size
+        assert kept <= len(tokens)
+        assert all(table[p // ps] != cache.scratch_page for p in range(kept, len(tokens)))
         for layer in range(LAYERS):
             k, v = cache.gather(layer, seq)
             want = torch.stack([t[layer] for t in tokens]) if tokens else k
-            torch.testing.assert_close(k, want)
-            torch.testing.assert_close(v, -want)
+            torch.testing.assert_close(k[kept:], want[kept:])
+            torch.testing.assert_close(v[kept:], -want[kept:])
 
 
 def test_a_run_touches_only_as_many_pages_as_it_holds_at_once():
@@ -127,3 +135,24 @@ def test_a_run_touches_only_as_many_pages_as_it_holds_at_once():
     last = tables[-1]
     alloc.release(last)
     assert alloc.allocate() == last[-1]  # the page freed last comes back first
+
+
+def test_forgotten_pages_return_to_the_pool_and_are_never_written():
+    """A sliding window's past (`forget_before`): whole pages below the position go back to the
+    pool, a partly kept one stays; a fork shares what is left. A rollback into the freed keys
+    (a partial last page that was freed) appends into a fresh page, never the scratch page."""
+    cache = PagedKVCache(LAYERS, HEADS, DIM, page_size=4, num_pages=8)
+    seq = cache.new_sequence()
+    cache.reserve(seq, 14)  # pages 0-3, the last one half full
+    cache.forget_before(seq, 9)  # positions 0-7 (pages 0 and 1) freed, 8 still needed
+    assert cache.allocator.used_pages == 2 and cache.forgotten[seq] == 8
+    child = cache.fork(seq)
+    assert cache.allocator.used_pages == 2
+    cache.truncate(seq, 6)  # into the freed keys: nothing below 6 is left
+    assert cache.forgotten[seq] == 6 and cache.allocator.used_pages == 2
+    slots = cache.reserve(seq, 3)  # positions 6-8: a fresh page for 6-7, another for 8
+    assert (slots // 4 != cache.scratch_page).all()
+    assert cache.scratch_page not in cache.tables[seq][1:]
+    for s in (seq, child):
+        cache.release(s)
+    assert cache.allocator.free_pages == 8

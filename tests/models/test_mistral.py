@@ -61,3 +61,44 @@ def test_a_qwen2_config_that_slides_is_refused_naming_it():
     assert LlamaConfig.from_hf({**cfg, "use_sliding_window": False, "sliding_window": 8})
     with pytest.raises(ValueError, match="use_sliding_window"):
         LlamaConfig.from_hf({**cfg, "use_sliding_window": True, "sliding_window": 8})
+
+
+def test_keys_below_every_window_are_freed_and_the_logits_stay(mistral, monkeypatch):
+    """Every layer slides, so pages wholly below the window of the queries to come go back to
+    the pool (here with one page kept behind the window): the pool holds a few pages, not the
+    whole sequence's, and the logits are still transformers'. A rollback within what is kept
+    runs; one that would need a freed key is refused."""
+    from smcspec.models import llama
+
+    monkeypatch.setattr(llama, "KEPT_BEHIND_WINDOW", 4)
+    hf, folder = mistral
+    model = LlamaModel.from_folder(folder)
+    ids = [(7 * i + 2) % VOCAB for i in range(12 * WINDOW)]
+    kv = model.new_kv(64, 4)
+    seq = kv.new_sequence()
+    out = [model.forward_ragged(kv, [seq], [torch.tensor(ids[:13])], [13])[0]]
+    out += [model.forward_ragged(kv, [seq], [torch.tensor([t])], [1])[0] for t in ids[13:]]
+    torch.testing.assert_close(torch.cat(out), reference(hf, ids), rtol=1e-4, atol=1e-4)
+    assert kv.allocator.used_pages <= (WINDOW + 4) // 4 + 2  # 24 pages without freeing
+    kv.truncate(seq, len(ids) - 3)  # the next query's window still held: runs
+    model.forward_ragged(kv, [seq], [torch.tensor([1])], [1])
+    kv.truncate(seq, len(ids) - 2 * WINDOW)
+    with pytest.raises(ValueError, match="fell out of the sliding window"):
+        model.forward_ragged(kv, [seq], [torch.tensor([1])], [1])
+    kv.release(seq)
+    assert kv.allocator.used_pages == 0
+
+
+def test_a_model_with_global_layers_frees_nothing(mistral):
+    """Gemma 3's global layers read every key: no page falls out of every window."""
+    import dataclasses
+
+    _, folder = mistral
+    config = LlamaConfig.read(folder)
+    config = dataclasses.replace(config, sliding=(True, False), local_rope=config.rope)
+    model = LlamaModel.random(config, seed=0)
+    kv = model.new_kv(64, 4)
+    seq = kv.new_sequence()
+    model.forward_ragged(kv, [seq], [torch.arange(40) % VOCAB], [1])
+    model.forward_ragged(kv, [seq], [torch.tensor([3])], [1])
+    assert kv.forgotten[seq] == 0 and kv.allocator.used_pages == 11

@@ -168,7 +168,6 @@ class MultiDraftDecoder:
             path, depth, winner = self._verify(drafts, laws, logp, u, found)
             scored = () if s.logprobs is None else _score(logp, winner, path, s.logprobs)
             agree = _agreement(logp, logq, winner)  # [k], the draft model's laws
-
             # The round's one wait for the device, after the K draft steps, the verify pass and
             # the walk are all queued: the block is cut and the rows restarted on the host.
             path, depth, winner, agree, *scored = sampling.to_host(

@@ -9,7 +9,7 @@ import torch
 from smcspec.models.llama import LlamaModel
 from smcspec.models.llama_config import LlamaConfig
 from tests.models.test_llama import reference
-from tests.models.test_qwen3 import FEEDS, STEPS, in_pieces, logits
+from tests.models.test_qwen3 import FEEDS, STEPS, in_pieces, logits, saved_tiny
 
 VOCAB = 64
 WINDOW = 8
@@ -25,13 +25,7 @@ def mistral(tmp_path_factory):
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         sliding_window=WINDOW, pad_token_id=0, bos_token_id=1, eos_token_id=2,
     )  # fmt: skip
-    torch.manual_seed(13)
-    hf = MistralForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.copy_(torch.randn_like(p) * 0.3 + (1.0 if "norm" in name else 0.0))
-    hf.save_pretrained(folder)
-    return hf, folder
+    return saved_tiny(MistralForCausalLM, config, folder, seed=13)
 
 
 @pytest.mark.parametrize("attention", ["gather", "reference"])

@@ -10,7 +10,7 @@ from smcspec.models import loader
 from smcspec.models.llama import LlamaModel
 from smcspec.models.llama_config import LlamaConfig
 from tests.models.test_llama import gguf_names, reference, write_gguf
-from tests.models.test_qwen3 import FEEDS, STEPS, assert_close_in_kl, in_pieces, logits
+from tests.models.test_qwen3 import FEEDS, STEPS, assert_close_in_kl, in_pieces, logits, saved_tiny
 
 VOCAB = 64
 
@@ -25,13 +25,7 @@ def olmo2(tmp_path_factory):
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         pad_token_id=0, eos_token_id=2,
     )  # fmt: skip
-    torch.manual_seed(11)
-    hf = Olmo2ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():  # norms around 1 but none equal
-            p.copy_(torch.randn_like(p) * 0.3 + (1.0 if "norm" in name else 0.0))
-    hf.save_pretrained(folder)
-    return hf, folder
+    return saved_tiny(Olmo2ForCausalLM, config, folder, seed=11)
 
 
 def test_the_config_reads_olmo2s_switches(olmo2):

@@ -15,7 +15,7 @@ import torch
 from smcspec.models.llama import LlamaModel
 from smcspec.models.llama_config import LlamaConfig
 from tests.models.test_llama import reference, write_gguf
-from tests.models.test_qwen3 import FEEDS, STEPS, assert_close_in_kl, in_pieces, logits
+from tests.models.test_qwen3 import FEEDS, STEPS, assert_close_in_kl, in_pieces, logits, saved_tiny
 
 VOCAB = 64
 ORIGINAL = 32  # longrope's original context: the test's sequences stay inside it
@@ -32,13 +32,7 @@ def _phi3(folder, **rope):
         original_max_position_embeddings=ORIGINAL, tie_word_embeddings=False,
         pad_token_id=0, bos_token_id=1, eos_token_id=2, **rope,
     )  # fmt: skip
-    torch.manual_seed(5)
-    hf = Phi3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.copy_(torch.randn_like(p) * 0.3 + (1.0 if "norm" in name else 0.0))
-    hf.save_pretrained(folder)
-    return hf, folder
+    return saved_tiny(Phi3ForCausalLM, config, folder, seed=5)
 
 
 @pytest.fixture(scope="module")

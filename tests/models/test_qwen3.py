@@ -24,10 +24,16 @@ def qwen3(tmp_path_factory):
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
         rope_theta=10000.0, tie_word_embeddings=False,
     )  # fmt: skip
-    torch.manual_seed(3)
-    hf = Qwen3ForCausalLM(config).eval()
+    return saved_tiny(Qwen3ForCausalLM, config, folder, seed=3)
+
+
+def saved_tiny(model_class, config, folder, seed: int):
+    """transformers' `model_class` of `config` with random weights (norms around 1, but none
+    equal, so that a missing or misplaced norm shows), saved to `folder`: (model, folder)."""
+    torch.manual_seed(seed)
+    hf = model_class(config).eval()
     with torch.no_grad():
-        for name, p in hf.named_parameters():  # norms around 1, so that a missing one shows
+        for name, p in hf.named_parameters():
             p.copy_(torch.randn_like(p) * 0.3 + (1.0 if "norm" in name else 0.0))
     hf.save_pretrained(folder)
     return hf, folder

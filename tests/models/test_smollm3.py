@@ -10,7 +10,7 @@ from smcspec.models import loader
 from smcspec.models.llama import LlamaModel
 from smcspec.models.llama_config import LlamaConfig
 from tests.models.test_llama import gguf_names, reference, write_gguf
-from tests.models.test_qwen3 import FEEDS, STEPS, assert_close_in_kl, in_pieces, logits
+from tests.models.test_qwen3 import FEEDS, STEPS, assert_close_in_kl, in_pieces, logits, saved_tiny
 
 VOCAB = 64
 
@@ -26,13 +26,7 @@ def smollm3(tmp_path_factory):
         tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2,
     )  # fmt: skip
     assert config.no_rope_layers == [1, 1, 1, 0]
-    torch.manual_seed(9)
-    hf = SmolLM3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.copy_(torch.randn_like(p) * 0.3 + (1.0 if "norm" in name else 0.0))
-    hf.save_pretrained(folder)
-    return hf, folder
+    return saved_tiny(SmolLM3ForCausalLM, config, folder, seed=9)
 
 
 def test_the_config_reads_which_layers_rotate(smollm3):

@@ -74,9 +74,12 @@ def test_keys_below_every_window_are_freed_and_the_logits_stay(mistral, monkeypa
     out += [model.forward_ragged(kv, [seq], [torch.tensor([t])], [1])[0] for t in ids[13:]]
     torch.testing.assert_close(torch.cat(out), reference(hf, ids), rtol=1e-4, atol=1e-4)
     assert kv.allocator.used_pages <= (WINDOW + 4) // 4 + 2  # 24 pages without freeing
-    kv.truncate(seq, len(ids) - 3)  # the next query's window still held: runs
+    # the last step (at 95) freed the keys below 95 - 8 + 1 - 4 = 84: a query at 91 needs keys
+    # from 84 on, the limit, and runs; one at 90 needs key 83 and is refused
+    assert kv.forgotten[seq] == 84
+    kv.truncate(seq, 91)
     model.forward_ragged(kv, [seq], [torch.tensor([1])], [1])
-    kv.truncate(seq, len(ids) - 2 * WINDOW)
+    kv.truncate(seq, 90)
     with pytest.raises(ValueError, match="fell out of the sliding window"):
         model.forward_ragged(kv, [seq], [torch.tensor([1])], [1])
     kv.release(seq)

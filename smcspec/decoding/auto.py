@@ -58,6 +58,7 @@ from smcspec.decoding.base import (
     StageClock,
     Watch,
     check_prompt,
+    no_autograd,
     released,
 )
 from smcspec.decoding.logprobs import TokenLogprobs
@@ -161,6 +162,7 @@ class AutoDecoder:
         self.tuner = tuner
         self.make = make
 
+    @no_autograd
     def decode(
         self,
         prompt: list[int],

@@ -13,6 +13,7 @@ from smcspec.decoding.base import (
     StageClock,
     Step,
     Watch,
+    no_autograd,
     opened,
     pending,
 )
@@ -36,6 +37,7 @@ class AutoregressiveDecoder:
         self.target = target
         self.potential = potential
 
+    @no_autograd
     def decode(
         self,
         prompt: list[int],

@@ -248,6 +248,12 @@ def start_cache(
     return cache
 
 
+no_autograd = torch.inference_mode()
+"""The decorator of every decoder's `decode`: no autograd records (a round's hundred small
+operations on the host cost 20-30% less, measured on toy models). What a decode returns holds
+lists, not tensors, so no inference-mode tensor reaches the caller."""
+
+
 @contextmanager
 def released() -> Iterator[list[KVCache]]:
     """A list that `start_cache` registers caches in; their memory goes back when the block

@@ -52,6 +52,7 @@ from smcspec.decoding.base import (
     StageClock,
     Step,
     Watch,
+    no_autograd,
     opened,
     pending,
     restart_rows,
@@ -83,6 +84,7 @@ class MultiDraftDecoder:
         self.draft = draft
         self.config = config
 
+    @no_autograd
     def decode(
         self,
         prompt: list[int],

@@ -32,6 +32,7 @@ from smcspec.decoding.base import (
     StageClock,
     Watch,
     check_prompt,
+    no_autograd,
     opened,
     pending,
     rollback,
@@ -99,6 +100,7 @@ class SMCDecoder:
         self.config = config
         self.potential = potential
 
+    @no_autograd
     def decode(
         self,
         prompt: list[int],

@@ -46,6 +46,7 @@ from smcspec.decoding.base import (
     StageClock,
     Step,
     Watch,
+    no_autograd,
     opened,
     pending,
     rollback,
@@ -72,6 +73,7 @@ class SpeculativeDecoder:
         self.draft = draft
         self.config = config
 
+    @no_autograd
     def decode(
         self,
         prompt: list[int],

@@ -117,20 +117,12 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         self._check_adjustments()
-        _require(
-            isinstance(self.temperature, int | float)
-            and math.isfinite(self.temperature)
-            and self.temperature >= 0,
-            f"temperature must be a finite number >= 0, got {self.temperature!r}",
-            "temperature",
-        )
-        if self.draft_temperature is not None:
+        for name in ("temperature", "draft_temperature"):  # draft_temperature may be None
+            value = getattr(self, name)
             _require(
-                isinstance(self.draft_temperature, int | float)
-                and math.isfinite(self.draft_temperature)
-                and self.draft_temperature >= 0,
-                f"draft_temperature must be a finite number >= 0, got {self.draft_temperature!r}",
-                "draft_temperature",
+                (value is None and name != "temperature") or (_is_number(value) and value >= 0),
+                f"{name} must be a finite number >= 0, got {value!r}",
+                name,
             )
         _require(
             _is_int(self.top_k) and self.top_k >= 0,

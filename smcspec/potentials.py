@@ -17,61 +17,24 @@ dead end raises `ConstraintError` rather than return text that breaks the potent
 from __future__ import annotations
 
 import ctypes
-import json
 import math
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-# llguidance's limits on one grammar, passed explicitly so that no request can raise them:
-# - max_grammar_size (symbols in the productions; llguidance's default 500k): an object of 5,000
-#   optional properties (OpenAI's own cap on properties) has ~40k and compiles in 2.6 s, one of
-#   10,000 ~80k and 8 s (the time grows as its square; measured on a 2-core Xeon), so the
-#   default allowed minutes of a core per request.
-# - max_lexer_states (default 250k, at 1-2 kB each by llguidance's count): 50k bounds the lexer
-#   near 100 MB; a 5,000-token JSON decode with Qwen2.5's tokenizer needed under 200.
-# - initial_lexer_fuel, step_lexer_fuel: llguidance's defaults, tuned on real JSON schemas. A
-#   regex that exhausts them (a{1000000}) costs about 1 s of CPU and 20-60 MB before the lexer
-#   gives up, which `Constraint` makes happen up front (see `PROBE_TOKENS`).
-GRAMMAR_LIMITS = {
-    "max_grammar_size": 50_000,
-    "max_lexer_states": 50_000,
-    "initial_lexer_fuel": 1_000_000,
-    "step_lexer_fuel": 200_000,
-}
+from smcspec import grammars
+
 # Tokens a new constraint is walked before it is accepted: a lexer that runs out of fuel inside
 # a regex does so at the mask after its first token there (a{1000000}: after one "a"); the
 # second token is a margin.
 PROBE_TOKENS = 2
 
 
-def llguidance_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
-    """llguidance's view of `tokenizer` (an `llguidance.LLTokenizer` as it is). llguidance reads
-    transformers' fast tokenizers, so smcspec's stored one (`tokenizer_cache.CachedTokenizer`)
-    hands over the transformers tokenizer it stands for."""
-    import llguidance
-
-    if isinstance(tokenizer, llguidance.LLTokenizer):
-        return tokenizer
-    import llguidance.hf
-
-    tokenizer = getattr(tokenizer, "transformers_tokenizer", tokenizer)
-    return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
-
-
 class ConstraintError(ValueError):
     """No output can satisfy the potentials: every sequence reached a dead end (llguidance gave
     up on the grammar, the sampling settings leave none of the tokens it allows, or a reward
     raised). A sequence merely cut at max_new_tokens is not one: that ends as "length"."""
-
-
-def grammar_limits() -> Any:
-    """`GRAMMAR_LIMITS` as llguidance takes them."""
-    import llguidance
-
-    return llguidance.LLParserLimits(**GRAMMAR_LIMITS)
 
 
 class Potential:
@@ -190,7 +153,7 @@ class Constraint(Potential):
     particle carries an llguidance matcher; `allowed` is its token mask (EOS only where the text
     is complete); a sequence cut at max_new_tokens before completion gets weight zero.
 
-    The grammar compiles here, under `GRAMMAR_LIMITS`, and is walked for its first
+    The grammar compiles here, under `grammars.GRAMMAR_LIMITS`, and is walked for its first
     `PROBE_TOKENS` tokens, as is every regex of its JSON schemas (`pattern`, `patternProperties`):
     one that llguidance already gives up on is a ValueError before any decoding. One it gives up
     on later kills every particle there (they share its lexer): the decode raises
@@ -202,8 +165,8 @@ class Constraint(Potential):
     def __init__(
         self, grammar: str, tokenizer: Any, vocab_size: int, what: str = "grammar"
     ) -> None:
-        self.tokenizer = llguidance_tokenizer(tokenizer, vocab_size)
-        _validate(grammar, self.tokenizer, what)
+        self.tokenizer = grammars.llguidance_tokenizer(tokenizer, vocab_size)
+        grammars.validate(grammar, self.tokenizer, what)
         self.grammar, self.vocab_size, self.what = grammar, vocab_size, what
         self._bits = torch.arange(32, dtype=torch.int32)
         # compiled once: start() copies it (a matcher per particle cost ~15 MB per state on a
@@ -213,15 +176,15 @@ class Constraint(Potential):
 
     @classmethod
     def regex(cls, pattern: str, tokenizer: Any, vocab_size: int) -> Constraint:
-        return cls(grammar_of("regex", pattern), tokenizer, vocab_size, "regex")
+        return cls(grammars.grammar_of("regex", pattern), tokenizer, vocab_size, "regex")
 
     @classmethod
     def json_schema(cls, schema: str | dict, tokenizer: Any, vocab_size: int) -> Constraint:
-        return cls(grammar_of("json_schema", schema), tokenizer, vocab_size, "JSON schema")
+        return cls(grammars.grammar_of("json_schema", schema), tokenizer, vocab_size, "JSON schema")
 
     @classmethod
     def lark(cls, text: str, tokenizer: Any, vocab_size: int) -> Constraint:
-        return cls(grammar_of("grammar", text), tokenizer, vocab_size, "grammar")
+        return cls(grammars.grammar_of("grammar", text), tokenizer, vocab_size, "grammar")
 
     def start(self) -> Any:
         return self._fresh.deep_copy()
@@ -250,19 +213,21 @@ class Constraint(Potential):
     def error(self, state: Any) -> str | None:
         if not state.is_error():
             return None
-        return f"llguidance gave up on the {self.what}: {_first_line(state.get_error())}"
+        return f"llguidance gave up on the {self.what}: {grammars.first_line(state.get_error())}"
 
     def _matcher(self, grammar: str) -> Any:
         import llguidance
 
-        return llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=grammar_limits())
+        return llguidance.LLMatcher(
+            self.tokenizer, grammar, log_level=0, limits=grammars.grammar_limits()
+        )
 
     def _probe(self) -> None:
         """Refuse the grammar if llguidance gives up within the first tokens of one of its
         schemas' regexes, or of the grammar itself (a decode would die there). The regexes go
         first, so that the error names the culprit."""
         failure = None
-        for pattern in patterns(self.grammar):
+        for pattern in grammars.patterns(self.grammar):
             reason = self._walk_regex(pattern)
             if reason is not None:
                 shown = repr(pattern) if len(pattern) <= 80 else repr(pattern[:77]) + "..."
@@ -283,7 +248,7 @@ class Constraint(Potential):
 
         grammar = llguidance.LLMatcher.grammar_from_regex(pattern)
         failed, _ = llguidance.LLMatcher.validate_grammar_with_warnings(
-            grammar, None, limits=grammar_limits()
+            grammar, None, limits=grammars.grammar_limits()
         )
         return None if failed else self._walk(self._matcher(grammar))
 
@@ -294,7 +259,7 @@ class Constraint(Potential):
         for step in range(PROBE_TOKENS + 1):
             allowed = self.allowed(matcher)
             if matcher.is_error():
-                return _first_line(matcher.get_error())
+                return grammars.first_line(matcher.get_error())
             ids = [t for t in allowed.nonzero().flatten().tolist() if t not in eos]
             if not ids or step == PROBE_TOKENS:
                 break
@@ -309,107 +274,6 @@ def release_heap() -> None:
     trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # the process's own symbols
     if trim is not None:
         trim(0)
-
-
-def patterns(grammar: str) -> list[str]:
-    """The regexes of the JSON schemas in an llguidance grammar, each once: `pattern` strings
-    and `patternProperties` keys, in a top-level schema or after a Lark grammar's `%json`."""
-    try:
-        top = json.loads(grammar)
-    except ValueError:
-        top = None
-    schemas: list[Any] = []
-    larks: list[str] = []
-    if isinstance(top, dict):
-        for part in top.get("grammars") or []:
-            if isinstance(part, dict):
-                schemas.append(part.get("json_schema"))
-                larks.append(part.get("lark_grammar") or "")
-    else:
-        larks.append(grammar)
-    for lark in larks:
-        schemas.extend(_embedded_schemas(lark))
-    found: dict[str, None] = {}
-    stack = schemas
-    while stack:  # a loop, not recursion: schemas may nest hundreds deep
-        node = stack.pop()
-        if isinstance(node, list):
-            stack.extend(node)
-        elif isinstance(node, dict):
-            if isinstance(node.get("pattern"), str):
-                found[node["pattern"]] = None
-            if isinstance(node.get("patternProperties"), dict):
-                found.update(dict.fromkeys(node["patternProperties"]))
-            stack.extend(node.values())
-    return list(found)
-
-
-def _embedded_schemas(lark: str) -> list[Any]:
-    """The JSON value after each `%json` of a Lark grammar."""
-    decoder = json.JSONDecoder()
-    out = []
-    for match in re.finditer(r"%json\s*", lark):
-        try:
-            out.append(decoder.raw_decode(lark, match.end())[0])
-        except ValueError:
-            continue
-    return out
-
-
-def _first_line(message: str) -> str:
-    """llguidance's error without the parser state it appends."""
-    return message.strip().splitlines()[0] if message.strip() else "unknown error"
-
-
-_KINDS = {"regex": "regex", "json_schema": "JSON schema", "grammar": "grammar"}
-
-
-def grammar_of(kind: str, text: str | dict) -> str:
-    """The llguidance grammar of a `regex`, a `json_schema` (JSON text or a dict) or a Lark
-    `grammar`, compiled and checked without a tokenizer, so a malformed one fails before any
-    model loads."""
-    import llguidance
-
-    if kind not in _KINDS:
-        raise ValueError(f"constraint kind must be one of {', '.join(_KINDS)}, got {kind!r}")
-    what = _KINDS[kind]
-    try:
-        if kind == "regex":
-            grammar = llguidance.LLMatcher.grammar_from_regex(text)
-        elif kind == "grammar":
-            grammar = llguidance.LLMatcher.grammar_from_lark(text)
-        else:
-            schema = json.loads(text) if isinstance(text, str) else text
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
-    except (ValueError, TypeError) as err:
-        raise ValueError(f"invalid {what}: {_one_line(str(err))}") from err
-    _validate(grammar, None, what)
-    return grammar
-
-
-def _validate(grammar: str, tokenizer: Any, what: str) -> None:
-    import llguidance
-
-    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-        grammar, tokenizer, limits=grammar_limits()
-    )
-    if failed:
-        message = _one_line(messages[0]) if messages else "rejected"
-        if what == "regex":  # the position is in llguidance's wrapper grammar, not the regex
-            message = re.sub(r"^at \d+\(\d+\): ", "", message)
-        raise ValueError(f"invalid {what}: {message}")
-
-
-def _one_line(message: str) -> str:
-    """llguidance's message without its source excerpt: the first line and any "error:" line,
-    so the CLI can print it as one line."""
-    lines = [line.strip() for line in message.splitlines() if line.strip()]
-    if not lines:
-        return "rejected"
-    causes = [
-        line.removeprefix("error:").strip() for line in lines[1:] if line.startswith("error:")
-    ]
-    return " ".join([lines[0], *causes])
 
 
 class Product(Potential):

@@ -297,7 +297,7 @@ def test_every_sampling_field_reaches_every_front_end():
     CLI's --ignore-eos, seed per choice: covered by their own tests.)"""
     from smcspec.config import SAMPLING_FIELDS, SamplingConfig
     from smcspec.engine import configs_from_fields
-    from smcspec.server.runtime import _sampling
+    from smcspec.server.request_fields import sampling as _sampling
     from smcspec.server.schema import CompletionRequest
 
     assert set(SAMPLING_FIELDS) == set(GIVEN) | {"max_new_tokens", "stop_at_eos", "seed"}

@@ -20,7 +20,7 @@ LAYERS = (
     {"config", "sampling", "rewards"},
     {"kv"},
     {"models"},
-    {"potentials"},
+    {"potentials", "grammars"},
     {"decoding"},
     {"engine"},
     {"smcspec"},

@@ -177,7 +177,7 @@ def test_lark_grammar_and_json_schema_constraints_mask_alike(tokenizer):
 )
 def test_constraints_compile_without_a_tokenizer(kind, text, message):
     """Checked before any model (or its tokenizer) loads, each error in one line."""
-    from smcspec.potentials import grammar_of
+    from smcspec.grammars import grammar_of
 
     with pytest.raises(ValueError, match=message) as err:
         grammar_of(kind, text)
@@ -185,7 +185,7 @@ def test_constraints_compile_without_a_tokenizer(kind, text, message):
 
 
 def test_a_compiled_constraint_is_the_one_the_tokenizer_uses(tokenizer):
-    from smcspec.potentials import grammar_of
+    from smcspec.grammars import grammar_of
 
     for kind, text in (("regex", "(ab|ba)c?"), ("grammar", 'start: "ab"'), ("json_schema", {})):
         assert Constraint(grammar_of(kind, text), tokenizer, V).grammar == grammar_of(kind, text)

@@ -122,7 +122,8 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
 def _potential_args(args: argparse.Namespace) -> dict:
     """The potentials asked for (`build_potential`'s keywords, read and checked: a constraint
     compiles) before any model loads; empty when none is."""
-    from smcspec.potentials import Power, Reward, grammar_of
+    from smcspec.grammars import grammar_of
+    from smcspec.potentials import Power, Reward
 
     out: dict = {}
     if args.power_alpha is not None:

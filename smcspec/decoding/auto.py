@@ -53,6 +53,7 @@ from smcspec.decoding.auto_contract import (
 )
 from smcspec.decoding.base import (
     DecodeResult,
+    RoundArgs,
     SharedCaches,
     SMCStats,
     StageClock,
@@ -230,6 +231,7 @@ class AutoDecoder:
             with clock.stage("prefill"):
                 caches = SharedCaches(self.target, self.draft, run.seq[0], held)
             since = 0
+            args = RoundArgs(run.s, generator, clock, len(run.prompt))
             while not run.done and run.remaining > 0:
                 if since == self.config.redecide_every:
                     choice, since = self._choose(run, choice.config), 0
@@ -237,9 +239,7 @@ class AutoDecoder:
                         return choice
                 stepper = cast(Stepper, self.make(choice.config, None))  # an exact setting
                 before = clock.spent()
-                step = stepper.step(
-                    run.seq, caches, run.remaining, run.s, generator, clock, len(run.prompt)
-                )
+                step = stepper.step(run.seq, caches, run.remaining, args)
                 after = clock.spent()
                 draft_s, target_s = (after[k] - before[k] for k in ("draft", "verify"))
                 run.commit(

@@ -16,9 +16,9 @@ from smcspec.decoding.agreement import Tally
 from smcspec.decoding.base import (
     Decoder,
     DecodeResult,
+    RoundArgs,
     SharedCaches,
     SMCStats,
-    StageClock,
     Stats,
     Step,
     Watch,
@@ -90,14 +90,7 @@ class Stepper(Decoder, Protocol):
     """An exact method's decoder, which also runs single rounds over shared caches."""
 
     def step(
-        self,
-        seq: torch.Tensor,
-        caches: SharedCaches,
-        remaining: int,
-        s: SamplingConfig,
-        generator: torch.Generator,
-        clock: StageClock,
-        prompt_len: int,
+        self, seq: torch.Tensor, caches: SharedCaches, remaining: int, args: RoundArgs
     ) -> Step: ...
 
 

@@ -9,8 +9,8 @@ from smcspec.config import SamplingConfig
 from smcspec.decoding.base import (
     ARStats,
     DecodeResult,
+    RoundArgs,
     SharedCaches,
-    StageClock,
     Step,
     Watch,
     no_autograd,
@@ -82,19 +82,13 @@ class AutoregressiveDecoder:
         return DecodeResult(new, len(new), seconds, split, stats, logprobs=logprobs)
 
     def step(
-        self,
-        seq: torch.Tensor,
-        caches: SharedCaches,
-        remaining: int,
-        s: SamplingConfig,
-        generator: torch.Generator,
-        clock: StageClock,
-        prompt_len: int,
+        self, seq: torch.Tensor, caches: SharedCaches, remaining: int, args: RoundArgs
     ) -> Step:
         """One token for auto over its shared caches (see `base.Step`); no potential (auto runs
         smc for one). The caches are left holding the committed text in one row."""
         if self.potential is not None:
             raise ValueError("ar's step takes no potential")
+        s, generator, clock, prompt_len = args
         with clock.stage("verify"):
             _, logp = self.laws(seq, caches.rows(caches.target, 1), s, prompt_len)
         token, scored = self.draw(logp, logp, s.logprobs, generator)

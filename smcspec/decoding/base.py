@@ -132,6 +132,17 @@ class Decoder(Protocol):
     ) -> DecodeResult: ...
 
 
+class RoundArgs(NamedTuple):
+    """What every round of one request reads beside its text (ar's, sd's and msd's, whether
+    their own decode or auto runs them): the sampling settings, the generator, the stage clock,
+    and the prompt's length (penalties leave the prompt out)."""
+
+    s: SamplingConfig
+    generator: torch.Generator
+    clock: StageClock
+    prompt_len: int
+
+
 class StageClock:
     """Wall time split into named stages; whatever no stage claims is 'other'."""
 

@@ -48,8 +48,8 @@ from smcspec.decoding.agreement import Tally, agreement
 from smcspec.decoding.base import (
     DecodeResult,
     MSDStats,
+    RoundArgs,
     SharedCaches,
-    StageClock,
     Step,
     Watch,
     no_autograd,
@@ -59,7 +59,12 @@ from smcspec.decoding.base import (
     rollback,
 )
 from smcspec.decoding.logprobs import TokenLogprobs, score, to_host
-from smcspec.decoding.residuals import residual, residual_scales
+from smcspec.decoding.residuals import (
+    drafted_probs,
+    residual,
+    residual_scales,
+    undrafted,
+)
 from smcspec.models.base import CausalLM, KVCache
 
 
@@ -100,9 +105,10 @@ class MultiDraftDecoder:
             agreed = Tally()
             accepted = 0
             done = stopped = False
+            args = RoundArgs(s, generator, clock, len(prompt))
             while not done and len(new) < s.max_new_tokens:
                 k = min(self.config.draft_tokens, s.max_new_tokens - len(new) - 1)
-                r = self.round(seq, caches, k, s, generator, clock, len(prompt))
+                r = self.round(seq, caches, k, args)
                 walked.append((k, r.depth))
                 accepted += r.kept
                 agreed.add(r.agreement)
@@ -121,44 +127,31 @@ class MultiDraftDecoder:
         return DecodeResult(new, len(walked), seconds, split, stats, logprobs=logprobs)
 
     def step(
-        self,
-        seq: torch.Tensor,
-        caches: SharedCaches,
-        remaining: int,
-        s: SamplingConfig,
-        generator: torch.Generator,
-        clock: StageClock,
-        prompt_len: int,
+        self, seq: torch.Tensor, caches: SharedCaches, remaining: int, args: RoundArgs
     ) -> Step:
         """One round for auto over its shared caches (see `base.Step`), at most `remaining`
         tokens; the caches are left holding the committed text in N rows (the winner's)."""
         n = self.config.particles
-        with clock.stage("prefill"):
+        with args.clock.stage("prefill"):
             draft_cache = caches.draft(seq[0])
         pair = (caches.rows(caches.target, n), caches.rows(draft_cache, n))
         k = min(self.config.draft_tokens, remaining - 1)
-        r = self.round(seq, pair, k, s, generator, clock, prompt_len)
+        r = self.round(seq, pair, k, args)
         caches.restart(seq.shape[1] + len(r.block), n, r.winner)
         return Step(r.block, r.done, r.agreement.numel(), r.kept, r.agreement, r.scored)
 
     def round(
-        self,
-        seq: torch.Tensor,
-        caches: tuple[KVCache, KVCache],
-        k: int,
-        s: SamplingConfig,
-        generator: torch.Generator,
-        clock: StageClock,
-        prompt_len: int,
+        self, seq: torch.Tensor, caches: tuple[KVCache, KVCache], k: int, args: RoundArgs
     ) -> Round:
         """One round from seq [1, T] (the prompt, prompt_len tokens, and the text so far), which
         every row of both caches holds; the caller restarts the rows from the winner's after it
         (`restart`)."""
         t_cache, d_cache = caches
+        s, generator, clock, prompt_len = args
         seqs = seq.expand(self.config.particles, -1)  # [N, T]: every row holds the same text
         found = self._lookup(seq, k)
         with clock.stage("draft"):
-            drafts, logq = self._propose(seqs, d_cache, k, s, generator, prompt_len, found)
+            drafts, logq = self._propose(seqs, d_cache, k, args, found)
         with clock.stage("verify"):
             head = sampling.to_device(pending(seqs, t_cache), drafts.device)
             logits = self.target.forward(torch.cat([head, drafts], 1), t_cache, k + 1)
@@ -188,19 +181,13 @@ class MultiDraftDecoder:
         return lookup.continuation(seq[0].tolist(), k, self.config.lookup_ngram)
 
     def _propose(
-        self,
-        seqs: torch.Tensor,
-        cache: KVCache,
-        k: int,
-        s: SamplingConfig,
-        generator: torch.Generator,
-        prompt_len: int,
-        found: Sequence[int] = (),
+        self, seqs: torch.Tensor, cache: KVCache, k: int, args: RoundArgs, found: Sequence[int] = ()
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """N independent drafts [N, k] and the draft law q at each of their tokens [N, k, V]:
         k batched draft steps. seqs [N, T]: the prompt (prompt_len tokens) and the text. Row 0
         takes the lookup's tokens `found` for its first drafts (the draft model fed them, so
         that its cache holds them and q there is still the model's, for the agreement)."""
+        s, generator, _, prompt_len = args
         tokens: list[torch.Tensor] = []  # each [N], on the draft's device
         laws: list[torch.Tensor] = []
         feed = pending(seqs, cache)
@@ -272,11 +259,8 @@ def verify(
     so far), not all N rows': at a 152k vocabulary these float64 passes are the walk's cost."""
     n, k = drafts.shape
     if k == 0:
-        token = sampling.sample_at(logp[0, 0], u[0])
-        zero = torch.zeros((), dtype=torch.long, device=logp.device)
-        return token[None], zero, zero
-    px = sampling.pick(logp[:, :k], drafts).double().exp()  # [N, k] each draft's own row's
-    qx = sampling.pick(logq, drafts).double().exp()  # [N, k]
+        return undrafted(logp, u)
+    px, qx = drafted_probs(drafts, logq, logp)  # [N, k] each
     laws = _NodeLaws(logp, logq)
     alive = torch.ones(n, dtype=torch.bool, device=drafts.device)  # [N] drafts on the path
     walking = torch.ones((), dtype=torch.bool, device=drafts.device)

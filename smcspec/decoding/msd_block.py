@@ -49,7 +49,12 @@ from __future__ import annotations
 import torch
 
 from smcspec import sampling
-from smcspec.decoding.residuals import residual, residual_scales
+from smcspec.decoding.residuals import (
+    drafted_probs,
+    residual,
+    residual_scales,
+    undrafted,
+)
 from smcspec.decoding.speculative import block_stop
 
 
@@ -61,11 +66,8 @@ def verify(
     index `depth` the drawn token), `depth` [] and the row that holds the path []."""
     n, k = drafts.shape
     if k == 0:
-        token = sampling.sample_at(logp[0, 0], u[0])
-        zero = torch.zeros((), dtype=torch.long, device=logp.device)
-        return token[None], zero, zero
-    px = sampling.pick(logp[:, :k], drafts).double().exp()  # [N, k] each draft's own row's
-    qx = sampling.pick(logq, drafts).double().exp()  # [N, k]
+        return undrafted(logp, u)
+    px, qx = drafted_probs(drafts, logq, logp)  # [N, k] each
     ids = torch.arange(n, device=drafts.device)
     spent = torch.zeros(n, dtype=torch.bool, device=drafts.device)
     active, start = 0, 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from smcspec import sampling
+
 
 def residual_scales(
     p: torch.Tensor, q: torch.Tensor, rejections: int, start: float = 0.0
@@ -35,3 +37,24 @@ def residual(
     """r = (p - c q)+ / S at the tokens (or whole laws) p, q [...] with c, S broadcast to them;
     p where S = 0."""
     return torch.where(total > 0, (p - c * q).clamp_min(0) / total, p)
+
+
+def drafted_probs(
+    drafts: torch.Tensor, logq: torch.Tensor, logp: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """p(x) and q(x) [N, k] in float64 of each draft token x under its own row's laws, what
+    both walks test: drafts [N, k], logq [N, k, V], logp [N, k + 1, V]."""
+    k = drafts.shape[1]
+    px = sampling.pick(logp[:, :k], drafts).double().exp()
+    qx = sampling.pick(logq, drafts).double().exp()
+    return px, qx
+
+
+def undrafted(
+    logp: torch.Tensor, u: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A walk's (path, depth, winner) for a round that drafted nothing (k = 0): one token drawn
+    from row 0's target law by the round's one uniform."""
+    token = sampling.sample_at(logp[0, 0], u[0])
+    zero = torch.zeros((), dtype=torch.long, device=logp.device)
+    return token[None], zero, zero

@@ -41,9 +41,9 @@ from smcspec.decoding import lookup
 from smcspec.decoding.agreement import Tally, agreement
 from smcspec.decoding.base import (
     DecodeResult,
+    RoundArgs,
     SDStats,
     SharedCaches,
-    StageClock,
     Step,
     Watch,
     no_autograd,
@@ -90,9 +90,10 @@ class SpeculativeDecoder:
             done = stopped = False
             scores: list[TokenLogprobs] = []
             agreed = Tally()
+            args = RoundArgs(s, generator, clock, len(prompt))
             while not done and len(new) < s.max_new_tokens:
                 k = min(self.config.draft_tokens, s.max_new_tokens - len(new) - 1)
-                r = self.round(seq, (t_cache, d_cache), k, s, generator, clock, len(prompt))
+                r = self.round(seq, (t_cache, d_cache), k, args)
                 agreed.add(r.agreement)
                 rounds += 1
                 proposed += r.checked
@@ -122,40 +123,27 @@ class SpeculativeDecoder:
         return DecodeResult(new, rounds, seconds, split, stats, logprobs=logprobs)
 
     def step(
-        self,
-        seq: torch.Tensor,
-        caches: SharedCaches,
-        remaining: int,
-        s: SamplingConfig,
-        generator: torch.Generator,
-        clock: StageClock,
-        prompt_len: int,
+        self, seq: torch.Tensor, caches: SharedCaches, remaining: int, args: RoundArgs
     ) -> Step:
         """One round for auto over its shared caches (see `base.Step`), at most `remaining`
         tokens; the caches are left holding the committed text in one row."""
-        with clock.stage("prefill"):
+        with args.clock.stage("prefill"):
             draft_cache = caches.draft(seq[0])
         pair = (caches.rows(caches.target, 1), caches.rows(draft_cache, 1))
         k = min(self.config.draft_tokens, remaining - 1)
-        r = self.round(seq, pair, k, s, generator, clock, prompt_len)
+        r = self.round(seq, pair, k, args)
         caches.restart(seq.shape[1] + len(r.block), 1)
         return Step(r.block, r.done, r.checked, r.accepted, r.agreement, r.scored)
 
     def round(
-        self,
-        seq: torch.Tensor,
-        caches: tuple[KVCache, KVCache],
-        k: int,
-        s: SamplingConfig,
-        generator: torch.Generator,
-        clock: StageClock,
-        prompt_len: int,
+        self, seq: torch.Tensor, caches: tuple[KVCache, KVCache], k: int, args: RoundArgs
     ) -> SDRound:
         """One round of K drafts from seq [1, T] (the prompt, prompt_len tokens, and the text so
         far), over one row of each cache; the caller crops them (`rollback`) after it."""
         t_cache, d_cache = caches
+        s, generator, clock, prompt_len = args
         with clock.stage("draft"):
-            drafts, logq = self._propose(seq, d_cache, k, s, generator, prompt_len)
+            drafts, logq = self._propose(seq, d_cache, k, args)
         k = drafts.numel()  # a lookup may find fewer than K, or none
         with clock.stage("verify"):
             head = sampling.to_device(pending(seq, t_cache), drafts.device)
@@ -169,18 +157,13 @@ class SpeculativeDecoder:
         return SDRound(block, n_accepted, n_checked, done, agree, scored)
 
     def _propose(
-        self,
-        seq: torch.Tensor,
-        cache,
-        k: int,
-        s: SamplingConfig,
-        generator: torch.Generator,
-        prompt_len: int,
+        self, seq: torch.Tensor, cache: KVCache, k: int, args: RoundArgs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K draft tokens [k] and the draft law q at each of them [k, V]. seq [1, T]: the
         prompt (prompt_len tokens) and the text so far. With a lookup proposal, the tokens
         that followed the text's last n-gram before (up to K, maybe none) and their point
         masses; with "lookup+draft" the draft model where the lookup finds nothing."""
+        s, generator, _, prompt_len = args
         if self.config.proposal != "draft":
             found = lookup.continuation(seq[0].tolist(), k, self.config.lookup_ngram)
             if found or self.config.proposal == "lookup":

@@ -20,15 +20,17 @@ from smcspec.decoding import Decoder, DecodeResult, methods
 from smcspec.decoding.base import Watch
 from smcspec.decoding.logprobs import score_prompt
 from smcspec.engine import pools, probes, timing
+from smcspec.engine.job import Job
 from smcspec.engine.loading import load_pair
 from smcspec.engine.request import Request, build_potential
 from smcspec.engine.result import GenerationResult
-from smcspec.engine.scheduler import Job, Scheduler
+from smcspec.engine.scheduler import Scheduler
 from smcspec.engine.text import TextStream, check_stops
 from smcspec.engine.tuning import Tuner
+from smcspec.grammars import llguidance_tokenizer
 from smcspec.models.base import CausalLM
 from smcspec.models.shared_vocab import shared
-from smcspec.potentials import Potential, llguidance_tokenizer
+from smcspec.potentials import Potential
 
 
 class LLM:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from smcspec.models.llama import PREFILL_CHUNK, prefill_chunks
+from smcspec.models import prefill
+from smcspec.models.llama import PREFILL_CHUNK
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -77,7 +78,7 @@ class HFCausalLM:
         # A long feed in passes of at most PREFILL_CHUNK tokens, as the native engine does: one
         # pass over a whole prompt would hold its [T, T] attention scores at once. `keep`: the
         # pass's rows among the feed's last num_logits.
-        for [(_, start, end, keep)] in prefill_chunks(
+        for [(_, start, end, keep)] in prefill.chunks(
             [tokens.shape[1]], [num_logits], PREFILL_CHUNK
         ):
             out = self.model(

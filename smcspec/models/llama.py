@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from smcspec.kv.cache import PagedKVCache
-from smcspec.models import cpu_linear, fused, weight_cache
+from smcspec.models import cpu_linear, fused, prefill, weight_cache
 from smcspec.models.attention import ForwardBatch, GatherAttention, GatherPlan, for_feed
 from smcspec.models.attention import choose as choose_attention
 from smcspec.models.fused import rms_reference as _rms
@@ -189,7 +189,7 @@ class LlamaModel:
         `num_logits` new positions of every sequence: [B, num_logits, V]. Ragged batch: a sequence
         given fewer than `num_logits` tokens gets zero logits in the leading rows it lacks."""
         rows = self.forward_ragged(kv, seqs, tokens, [num_logits] * len(seqs))
-        return stack_padded(rows, num_logits)
+        return prefill.stack_padded(rows, num_logits)
 
     @torch.inference_mode()
     def forward_ragged(
@@ -198,7 +198,7 @@ class LlamaModel:
         """As `forward`, with a logits count per sequence: the float32 logits of the last
         min(len(tokens[b]), num_logits[b]) new positions of sequence b, list of [n_b, V]. One
         pass over the weights serves every sequence (continuous batching mixes requests); a
-        feed longer than `PREFILL_CHUNK` takes several (`prefill_chunks`)."""
+        feed longer than `PREFILL_CHUNK` takes several (`prefill.chunks`)."""
         tokens = list(tokens)
         sinks: dict[int, torch.Tensor] = {}
         if self.dtype == "int8":
@@ -208,7 +208,7 @@ class LlamaModel:
                     tokens[b] = tokens[b][1:]
         counts = [int(t.numel()) for t in tokens]
         pieces: list[list[torch.Tensor]] = [[] for _ in seqs]
-        for chunk in prefill_chunks(counts, num_logits, PREFILL_CHUNK):
+        for chunk in prefill.chunks(counts, num_logits, PREFILL_CHUNK):
             feeds = [tokens[b][start:end] for b, start, end, _ in chunk]
             wants = [want for *_, want in chunk]
             logits = self._pass(kv, [seqs[b] for b, *_ in chunk], feeds, wants)
@@ -216,7 +216,7 @@ class LlamaModel:
                 pieces[b].append(row)
         rows = []
         for b in range(len(seqs)):
-            row = _joined(pieces[b], self.config.vocab_size, self.device)  # [n_b, V]
+            row = prefill.joined(pieces[b], self.config.vocab_size, self.device)  # [n_b, V]
             if row.shape[0] < num_logits[b] and b in sinks:
                 row = torch.cat([sinks[b][None], row])
             rows.append(row)
@@ -233,7 +233,7 @@ class LlamaModel:
         # the scheduler batches several requests.
         flat = torch.cat([to_device(t, self.device) for t in tokens])  # [total]
         x = self.hidden(flat, batch, kv)  # [total, H]
-        keep = _last_rows(counts, wants)
+        keep = prefill.last_rows(counts, wants)
         logits = self.logits(x[to_device(keep, self.device)]).float()  # [rows kept, V]
         return list(logits.split(wants))
 
@@ -445,43 +445,3 @@ def _act(gate: torch.Tensor, activation: str) -> torch.Tensor:
 
 def _opt(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
     return None if t is None else to_device(t, device)
-
-
-def prefill_chunks(
-    counts: list[int], num_logits: list[int], size: int
-) -> list[list[tuple[int, int, int, int]]]:
-    """The passes of a feed of counts[b] tokens per sequence, at most `size` per sequence each:
-    pass j holds (b, start, end, want) for each sequence b with tokens [start, end) in
-    [j size, (j + 1) size), `want` the logits it keeps, those of its rows among the feed's
-    last num_logits[b] (always the pass's last rows)."""
-    passes = []
-    for start in range(0, max(counts, default=0), size):
-        chunk = []
-        for b, n in enumerate(counts):
-            end = min(n, start + size)
-            if end > start:
-                first_wanted = max(start, n - num_logits[b])
-                chunk.append((b, start, end, max(0, end - first_wanted)))
-        passes.append(chunk)
-    return passes
-
-
-def _joined(pieces: list[torch.Tensor], vocab: int, device: torch.device) -> torch.Tensor:
-    """One sequence's logits [n, V] from its passes' pieces (no copy for a single pass)."""
-    if len(pieces) == 1:
-        return pieces[0]
-    if not pieces:  # no token left after its sink (or none given)
-        return torch.zeros(0, vocab, device=device)
-    return torch.cat(pieces)
-
-
-def _last_rows(counts: list[int], wants: list[int]) -> torch.Tensor:
-    """Flat indices of the last wants[b] of each sequence's counts[b] new tokens."""
-    ends = torch.tensor(counts).cumsum(0).tolist()
-    return torch.cat([torch.arange(e - m, e) for e, m in zip(ends, wants, strict=True)])
-
-
-def stack_padded(rows: list[torch.Tensor], num_logits: int) -> torch.Tensor:
-    """Rows [n_b, V] with n_b <= num_logits as [B, num_logits, V], zeros in the missing
-    leading positions."""
-    return torch.stack([F.pad(r, (0, 0, num_logits - r.shape[0], 0)) for r in rows])

@@ -18,7 +18,8 @@ from smcspec.config import DEFAULT_KV_PAGES, EngineLimits
 from smcspec.kv.cache import PagedKVCache
 from smcspec.kv.pages import OutOfPages
 from smcspec.models.graphs import TOKEN_BUCKETS, Capture, CudaCapture, GraphRunner
-from smcspec.models.llama import LlamaModel, stack_padded
+from smcspec.models.llama import LlamaModel
+from smcspec.models.prefill import stack_padded
 
 
 class NativeCache:

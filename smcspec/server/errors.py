@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from smcspec.engine.scheduler import Cancelled
+from smcspec.engine.job import Cancelled
 from smcspec.server.api_error import ApiError
 from smcspec.server.guard import REFUSED
 from smcspec.server.responses import ErrorResponse

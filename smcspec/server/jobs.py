@@ -10,7 +10,7 @@ from concurrent.futures import Future
 from fastapi import Request as HTTPRequest
 
 from smcspec.engine import GenerationResult
-from smcspec.engine.scheduler import Cancelled
+from smcspec.engine.job import Cancelled
 from smcspec.server.api_error import ApiError
 from smcspec.server.runtime import Choice, Server
 

@@ -9,7 +9,6 @@ count and diagnostics a response carries.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import threading
 import time
@@ -21,7 +20,6 @@ from typing import Any
 from jinja2 import TemplateError
 
 from smcspec.config import (
-    SAMPLING_FIELDS,
     SERVER_TEMPERATURE,
     HTTPLimits,
     SamplingConfig,
@@ -35,15 +33,15 @@ from smcspec.engine import (
     lookahead,
     method_fields,
 )
-from smcspec.engine.scheduler import Cancelled, Job, Scheduler
+from smcspec.engine.job import Cancelled, Job
+from smcspec.engine.scheduler import Scheduler
 from smcspec.engine.text import check_stops
 from smcspec.potentials import Potential
-from smcspec.server import tools
+from smcspec.server import request_fields, tools
 from smcspec.server.api_error import SHUTTING_DOWN, ApiError, check_unicode
 from smcspec.server.metrics import ServerMetrics
 from smcspec.server.responses import Finished, ParticleText, SmcspecExtension
 from smcspec.server.schema import (
-    MAX_TOTAL_CHOICES,
     ChatMessage,
     ChatRequest,
     CompletionRequest,
@@ -178,7 +176,7 @@ class Server:
                 raise ApiError(f"prompt token ids must lie in [0, {vocab})", "prompt")
             return [list(prompt)]
         texts = [prompt] if isinstance(prompt, str) else prompt
-        _check_choices(len(texts), body.n)
+        request_fields.check_choices(len(texts), body.n)
         for i, text in enumerate(texts):
             param = "prompt" if isinstance(prompt, str) else f"prompt.{i}"
             check_unicode(text, param)
@@ -189,7 +187,7 @@ class Server:
             raise ApiError(str(err), "prompt") from err
 
     def chat_prompt(self, body: ChatRequest) -> list[list[int]]:
-        messages = tools.template_messages(_message_dicts(body.messages))
+        messages = tools.template_messages(request_fields.message_dicts(body.messages))
         self._check_fits(sum(len(m["content"] or "") for m in messages), "messages")
         shown = None
         if body.tools and body.tool_choice_value != "none":
@@ -221,7 +219,7 @@ class Server:
         # the request's own settings; the server's defaults fill in what its method reads
         fallback = self.defaults.method_settings
         fields = {name: getattr(body, name, None) for name in fallback}
-        fields |= _sampling(body, self.defaults.temperature)
+        fields |= request_fields.sampling(body, self.defaults.temperature)
         try:  # every setting checked once here; per choice only the seed and length change
             decoding, sampling = configs_from_fields(fields, fallback)
         except SettingError as err:
@@ -243,7 +241,7 @@ class Server:
     def _potential(self, body: GenerationFields) -> Potential | None:
         """The request's potential, built once: every choice shares it (each particle gets its
         own state). A constraint's own errors name its field; the model's do not."""
-        schema, grammar = _schema(body), self.tool_grammar(body)
+        schema, grammar = request_fields.response_schema(body), self.tool_grammar(body)
         field = "tools" if grammar is not None else "response_format"
         try:
             if schema is not None or grammar is not None:
@@ -292,7 +290,7 @@ class Server:
             raise ApiError("this model has no chat template: tokenize a prompt", "messages")
         try:
             return tokenizer.apply_chat_template(
-                tools.template_messages(_message_dicts(messages)),
+                tools.template_messages(request_fields.message_dicts(messages)),
                 add_generation_prompt=add_generation,
                 tokenize=False,
             )
@@ -391,54 +389,6 @@ class Server:
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()
-
-
-def _check_choices(prompts: int, n: int) -> None:
-    if prompts * n > MAX_TOTAL_CHOICES:
-        raise ApiError(
-            f"{prompts} prompts x n = {n} make {prompts * n} choices: at most "
-            f"{MAX_TOTAL_CHOICES} per request",
-            "prompt" if prompts > MAX_TOTAL_CHOICES else "n",
-        )
-
-
-def _message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The dicts a chat template takes (role, content, and a call's or a tool message's
-    fields where given), each text checked to be valid Unicode."""
-    out = []
-    for i, m in enumerate(messages):
-        parts = [m.content] if isinstance(m.content, str) else [p.text for p in m.content or []]
-        for j, text in enumerate(parts):
-            suffix = "" if isinstance(m.content, str) else f".{j}.text"
-            check_unicode(text, f"messages.{i}.content{suffix}")
-        message = {"role": m.role, "content": m.text if m.content is not None else None}
-        extra = m.model_dump(include={"tool_calls", "tool_call_id", "name"}, exclude_none=True)
-        out.append(message | extra)
-    return out
-
-
-def _sampling(body: GenerationFields, temperature: float) -> dict[str, Any]:
-    """The `SamplingConfig` fields the request gives by name (the dataclass's defaults for the
-    rest, but the server's own default temperature), so a new field needs only its schema
-    field. max_new_tokens and seed are per choice."""
-    own = {"logprobs", "prompt_logprobs"}  # each endpoint spells them its way
-    given = {name: getattr(body, name, None) for name in SAMPLING_FIELDS if name not in own}
-    given = {name: value for name, value in given.items() if value is not None}
-    spelled = {
-        "stop_at_eos": not body.ignore_eos,
-        "logprobs": body.top_logprobs_asked,
-        "prompt_logprobs": body.prompt_logprobs_asked,
-    }
-    return {"temperature": temperature} | given | spelled
-
-
-def _schema(body: GenerationFields) -> str | None:
-    fmt = body.response_format
-    if fmt is None or fmt.type == "text":
-        return None
-    if fmt.type == "json_object":
-        return json.dumps({"type": "object"})
-    return json.dumps(fmt.json_schema.schema_)
 
 
 def finite(value: Any) -> Any:

@@ -202,8 +202,8 @@ class MSDKeepsMismatchedDrafts(MSDReference):
 class MSDBonusFromDraft(MultiDraftDecoder):
     """Drafts K + 1 tokens a row and, when all K are accepted, commits the winner's last one."""
 
-    def _propose(self, seqs, cache, k, s, generator, prompt_len, found=()):
-        drafts, logq = super()._propose(seqs, cache, k + 1, s, generator, prompt_len, found)
+    def _propose(self, seqs, cache, k, args, found=()):
+        drafts, logq = super()._propose(seqs, cache, k + 1, args, found)
         self.extra = drafts[:, k]
         return drafts[:, :k], logq[:, :k]
 
@@ -322,13 +322,14 @@ class SDLookupWithDraftQ(SpeculativeDecoder):
     ratio and the residual take the draft model's q at the looked-up tokens, not the lookup's
     point mass (where no lookup matches, the draft model proposes, as "lookup+draft")."""
 
-    def _propose(self, seq, cache, k, s, generator, prompt_len):
+    def _propose(self, seq, cache, k, args):
         from smcspec.decoding.base import pending
         from smcspec.decoding.lookup import continuation
 
         found = continuation(seq[0].tolist(), k, self.config.lookup_ngram)
         if not found:
-            return super()._propose(seq, cache, k, s, generator, prompt_len)
+            return super()._propose(seq, cache, k, args)
+        s, _, _, prompt_len = args
         feed, laws = pending(seq, cache), []
         for i, x in enumerate(found):
             logits = self.draft.forward(feed, cache, 1)[:, -1:]
@@ -428,8 +429,8 @@ class MSDLookupWithDraftQ(MultiDraftDecoder):
     """msd's lookup draft tested as if the draft model had proposed it: the walk reads row 0's
     model q at the looked-up tokens (the draft model was fed them), not their point masses."""
 
-    def _propose(self, seqs, cache, k, s, generator, prompt_len, found=()):
-        drafts, self.model_q = super()._propose(seqs, cache, k, s, generator, prompt_len, found)
+    def _propose(self, seqs, cache, k, args, found=()):
+        drafts, self.model_q = super()._propose(seqs, cache, k, args, found)
         return drafts, self.model_q
 
     def _verify(self, drafts, logq, logp, u, found=()):

@@ -83,11 +83,11 @@ class MSDForgetsTheWinner(MultiDraftDecoder):
     """A plausible bug: after a round every row restarts from row 0's pages, not the winner's,
     so the next round continues from a path that was not committed."""
 
-    def step(self, seq, caches, remaining, s, generator, clock, prompt_len):
+    def step(self, seq, caches, remaining, args):
         restart = caches.restart
         caches.restart = lambda seq_len, rows, winner=0: restart(seq_len, rows, 0)
         try:
-            return super().step(seq, caches, remaining, s, generator, clock, prompt_len)
+            return super().step(seq, caches, remaining, args)
         finally:
             caches.restart = restart
 

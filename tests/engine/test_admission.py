@@ -18,7 +18,8 @@ import threading
 import pytest
 
 from smcspec import LLM
-from smcspec.engine.scheduler import Job, Scheduler
+from smcspec.engine.job import Job
+from smcspec.engine.scheduler import Scheduler
 from smcspec.kv.cache import PagedKVCache
 from smcspec.models.native import NativeCausalLM
 

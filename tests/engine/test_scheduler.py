@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from smcspec import LLM
-from smcspec.engine.scheduler import Cancelled, Job, Scheduler, _Call
+from smcspec.engine.job import Cancelled, Job
+from smcspec.engine.scheduler import Scheduler, _Call
 from smcspec.models.native import NativeCausalLM
 
 SETTINGS = [

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from smcspec.models import defaults, gguf_loader
+from smcspec.models import defaults, gguf_header, gguf_loader
 
 Q = gguf.GGMLQuantizationType
 QWEN_EOS = defaults.SHIPPED[defaults.DEFAULT_TARGET].eos_ids
@@ -214,7 +214,7 @@ def test_the_header_is_what_gguf_reads(arch, tmp_path):
     order), type, absolute offset and size equal."""
     path = write_gguf(tmp_path / "m.gguf", arch, layers=3)
     reader = gguf.GGUFReader(str(path))
-    header = gguf_loader.Header.read(path)
+    header = gguf_header.Header.read(path)
     fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
     assert set(header.metadata) == set(fields)
     for key, value in fields.items():
@@ -232,7 +232,7 @@ def test_the_header_is_what_gguf_reads(arch, tmp_path):
 def test_a_file_that_is_no_gguf_is_named(tmp_path):
     path = write_gguf(tmp_path / "m.gguf")
     data = path.read_bytes()
-    table_end = min(t.offset for t in gguf_loader.Header.read(path).tensors.values()) - 40
+    table_end = min(t.offset for t in gguf_header.Header.read(path).tensors.values()) - 40
     cuts = []
     for n, end in enumerate((300, table_end)):  # in the vocabulary; in the tensor table
         cuts.append(tmp_path / f"cut{n}.gguf")
@@ -241,6 +241,6 @@ def test_a_file_that_is_no_gguf_is_named(tmp_path):
     other.write_bytes(b"GGML" + data[4:])
     for bad in (*cuts, other):
         with pytest.raises(ValueError, match=str(bad)):
-            gguf_loader.Header.read(bad)
+            gguf_header.Header.read(bad)
         assert gguf_loader.architecture(bad) is None
     assert gguf_loader.architecture(path) == "qwen2"

@@ -191,7 +191,7 @@ def matches(grammar_text: str, reply: str, tokenizer) -> bool:
     import llguidance
     import llguidance.hf
 
-    from smcspec.potentials import grammar_of
+    from smcspec.grammars import grammar_of
 
     ll = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer))
     matcher = llguidance.LLMatcher(ll, grammar_of("grammar", grammar_text), log_level=0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from smcspec.bench.contenders import LLAMA_CPP, build_grid, parse_ints
+from smcspec.bench.contenders import LLAMA_CPP, METHOD_NAMES, build_grid, parse_ints
 from smcspec.cli.common import add_model_options, add_resample_threshold
 from smcspec.config import SamplingConfig, SMCConfig
 
@@ -17,9 +17,11 @@ def add_grid_options(p: argparse.ArgumentParser, methods: list[str], smc_n: str)
         "--methods",
         nargs="+",
         default=methods,
-        help="of ar sd smc msd auto auto-approx (auto with --approximate: it may pick smc) hf "
-        "hf-assisted (hf peers need --backend hf); bench speed also takes llama-cpp "
-        "llama-cpp-spec (./scripts/build_llama_cpp builds llama.cpp)",
+        help=f"of {' '.join(m for m in METHOD_NAMES if m not in LLAMA_CPP)}: -block verifies "
+        "blocks, sd-lookup drafts by prompt lookup, -lookup-draft by lookup where it matches "
+        "(else the draft model), auto-approx is auto with --approximate (it may pick smc), hf "
+        "peers need --backend hf; bench speed also takes llama-cpp llama-cpp-spec "
+        "(./scripts/build_llama_cpp builds llama.cpp)",
     )
     p.add_argument("--sd-k", default="2,4", help="K grid for sd")
     p.add_argument("--smc-n", default=smc_n, help="N grid for smc")

@@ -306,24 +306,41 @@ class DeviceTraffic(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         src = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        to = kwargs.get("device")
         if src is not None and src.is_meta:
             if func in (aten._local_scalar_dense.default, aten.equal.default):
                 self.waits += 1
                 return False if src.dtype == torch.bool else 0
-            if func is aten._to_copy.default and to is not None and to.type == "cpu":
+            to = copy_target(func, args, kwargs)
+            if to is not None and to.type == "cpu":
                 self.waits += 1
-                return torch.zeros(src.shape, dtype=kwargs.get("dtype") or src.dtype)
+                dtype = by_name(func, args, kwargs).get("dtype") or src.dtype
+                return torch.zeros(src.shape, dtype=dtype)
         if blocking_upload(func, args, kwargs):
             self.blocking.append(f"{func}{tuple(args[0].shape)}")
         return func(*args, **kwargs)
 
 
+def by_name(func, args, kwargs) -> dict:
+    """The call's arguments by their names in the op's schema."""
+    names = [a.name for a in func._schema.arguments]
+    return {**dict(zip(names, args, strict=False)), **kwargs}
+
+
+def copy_target(func, args, kwargs) -> torch.device | None:
+    """The device a `.to` copies to (None: not a copy, or not to another device). Decoding in
+    inference mode dispatches `aten.to` itself, autograd's `aten._to_copy` otherwise."""
+    if func.overloadpacket not in (aten._to_copy, aten.to):
+        return None
+    named = by_name(func, args, kwargs)
+    to = named.get("device") or getattr(named.get("other"), "device", None)
+    return None if to is None else torch.device(to)
+
+
 def blocking_upload(func, args, kwargs) -> bool:
     """A host -> meta copy (`.to` or `copy_`) that does not say non_blocking."""
-    if func is aten._to_copy.default and not args[0].is_meta:
-        to = kwargs.get("device")
-        return to is not None and to.type == "meta" and not kwargs.get("non_blocking")
+    to = copy_target(func, args, kwargs)
+    if to is not None and not args[0].is_meta:
+        return to.type == "meta" and not by_name(func, args, kwargs).get("non_blocking")
     if func is aten.copy_.default and args[0].is_meta and not args[1].is_meta:
         return not kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
     return False

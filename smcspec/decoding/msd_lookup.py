@@ -22,9 +22,10 @@ node emits its token from p(. | path), and the bonus past depth K is a draw from
 With f = 0 this is `msd.verify`'s law, walked one test at a time: there the drafts at a node
 share q, so the residual after m rejections has a closed form (`residual_scales`); here each
 rejection updates r with its own draft's law, N passes over the vocabulary a depth, as the
-closed form's. No host sync: a test that does not run (an earlier draft kept, a dead draft, a
-stopped walk) leaves every tensor as it was. A round with a lookup draft walks token by token
-under `verify="block"` too (each round's rule is exact, so their mix is).
+closed form's. No host sync on a device: a test that does not run (an earlier draft kept, a
+dead draft, a stopped walk) leaves every tensor as it was; on the CPU, where reading a flag
+costs nothing, such tests and the depths after a stop are skipped. A round with a lookup draft
+walks token by token under `verify="block"` too (each round's rule is exact, so their mix is).
 """
 
 from __future__ import annotations
@@ -48,11 +49,16 @@ def verify(
     depth = torch.zeros((), dtype=torch.long, device=device)
     winner = torch.zeros_like(depth)
     end = torch.zeros_like(logp[0, 0], dtype=torch.float64)  # the law the final draw takes
+    on_host = device.type == "cpu"
     for d in range(k):
+        if on_host and not bool(walking):
+            break  # as in `msd.verify`: the depths left after a stop change nothing
         p = logp.index_select(0, winner[None])[0, d].double().exp()  # the node's target law
         r, kept = p, torch.full_like(depth, -1)
         for j in range(n):
             testing = walking & alive[j] & (kept < 0)
+            if on_host and not bool(testing):
+                continue  # a test that does not run leaves every tensor as it was
             q = logq[j, d].double().exp()
             x = drafts[j, d]
             passed = testing & (u[d * n + j] < r[x] / q[x])

@@ -105,6 +105,8 @@ READS: dict[tuple[str, str, str], tuple[str, str]] = {
     ("sampling.py", "sample_at", "total.tolist()"): (HOST, "read on the CPU only"),
     ("msd.py", "verify", "bool(walking)"): (HOST, "read on the CPU only"),
     ("msd.py", "verify", "int(alive.sum())"): (HOST, "read on the CPU only"),
+    ("msd_lookup.py", "verify", "bool(walking)"): (HOST, "read on the CPU only"),
+    ("msd_lookup.py", "verify", "bool(testing)"): (HOST, "read on the CPU only"),
     **{
         ("msd_block.py", scope, call): (
             EXTRA,

@@ -9,6 +9,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from smcspec.bench.contenders import OURS
 from smcspec.engine import method_names, method_row, setting_label
 
 Z95 = 1.959963984540054
@@ -205,8 +206,8 @@ def best_fixed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if r["temperature"] == temp
             and (r.get("method") == "ar" or r.get("draft_temperature") == draft_t)
         ]
-        fixed = [r for r in here if r.get("method") in FIXED and "power=" not in r["label"]]
-        exact = [r for r in fixed if r["method"] in EXACT]
+        fixed = [r for r in here if _runs_as(r) in FIXED and "power=" not in r["label"]]
+        exact = [r for r in fixed if _runs_as(r) in EXACT]
         best_exact, best_all = _fastest(exact), _fastest(fixed)
         ar, sd, msd = (
             _fastest([r for r in here if r.get("method") == m]) for m in ("ar", "sd", "msd")
@@ -228,6 +229,12 @@ def best_fixed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def _runs_as(row: dict[str, Any]) -> str | None:
+    """The method a row's setting runs as: sd's and msd's variants (block rule, lookup drafts)
+    are sd and msd settings, fixed and exact like them."""
+    return OURS.get(row.get("method"), row.get("method"))
 
 
 def _fastest(rows: list[dict[str, Any]]) -> dict[str, Any] | None:

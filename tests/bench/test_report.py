@@ -297,6 +297,21 @@ def test_best_fixed_names_the_fastest_setting_per_cell_and_auto_s_ratios():
     assert table[3].startswith("| 1.0 | 2 | ar | 10.00 | 0.95x | 0.95x | ar | 10.00 | - |")
 
 
+def test_best_fixed_counts_sd_and_msd_variants_as_the_exact_settings_they_are():
+    """A lookup or block-rule row is an sd or msd setting: it can be the cell's best exact one
+    (a report that knew only the method table's names left it out)."""
+    rows = [
+        _row("ar", 10.0),
+        _row("sd K=4", 12.0, acceptance_rate=0.9),
+        _row("sd K=8 lookup", 13.0, method="sd-lookup"),
+        _row("msd N=2 K=4 lookup+draft", 11.0, method="msd-lookup-draft"),
+        _row("llama.cpp", 30.0, method="llama-cpp"),  # a peer: no setting of ours
+    ]
+    [cell] = report.best_fixed(rows)
+    assert cell["best_exact"]["label"] == cell["best_fixed"]["label"] == "sd K=8 lookup"
+    assert cell["sd_acceptance"] == 0.9  # sd's own rows still give sd's acceptance
+
+
 def test_every_caption_names_the_machines_in_the_order_they_ran():
     from smcspec.bench.machine import ran_on
 

@@ -124,6 +124,8 @@ def grammar_of(kind: str, text: str | dict) -> str:
 
 
 def validate(grammar: str, tokenizer: Any, what: str) -> None:
+    """Refuse, naming the `what` (regex, JSON schema, grammar) in one line, a grammar llguidance
+    rejects under `GRAMMAR_LIMITS` (against `tokenizer`, or none)."""
     import llguidance
 
     failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(

@@ -1,5 +1,6 @@
 """The residual laws of multi-round speculative sampling in closed form (`msd`'s token walk and
-its block rule, `msd_block`): what is left of a target law after drafts from q are rejected."""
+its block rule, `msd_block`): what is left of a target law after drafts from q are rejected;
+and what both walks start from (the drafts' p(x) and q(x), the round that drafted nothing)."""
 
 from __future__ import annotations
 

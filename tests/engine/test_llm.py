@@ -61,6 +61,9 @@ def test_same_seed_same_output(llm):
         ({"resample_threshold": -0.1}, "resample_threshold"),
         ({"temperature": -1.0}, "temperature"),
         ({"draft_temperature": -0.5}, "draft_temperature"),
+        ({"temperature": True}, "temperature"),  # a bool is no temperature
+        ({"draft_temperature": False}, "draft_temperature"),
+        ({"draft_temperature": float("inf")}, "draft_temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -3}, "top_k"),

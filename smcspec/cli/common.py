@@ -9,6 +9,7 @@ from dataclasses import fields
 
 from smcspec.config import (
     DEFAULT_KV_PAGES,
+    MAX_PARTICLES,
     MSD_DRAFT_TOKENS,
     PROPOSALS,
     RESAMPLING_SCHEMES,
@@ -187,15 +188,27 @@ def add_resample_threshold(p: argparse.ArgumentParser, default: float | None = N
     )
 
 
-def add_particles(p: argparse.ArgumentParser, what: str) -> None:
+def add_method_settings(
+    p: argparse.ArgumentParser, particles: str, draft_tokens: str, allow_large: bool
+) -> None:
+    """The methods' own settings, generate's and serve's alike: N and K (each command says what
+    they are for), --allow-large where `allow_large`, sd's rule and proposal, smc's
+    resampling. None: not given (each method's own default)."""
     # No -n: it means choices in OpenAI's API and tokens in llama.cpp.
     p.add_argument(
         "--particles",
         type=int,
         default=None,
         metavar="N",
-        help=f"{what} (default: {SMC_PARTICLES})",
+        help=f"{particles} (default: {SMC_PARTICLES})",
     )
+    if allow_large:
+        p.add_argument(
+            "--allow-large", action="store_true", help=f"allow more than {MAX_PARTICLES} particles"
+        )
+    p.add_argument("-k", "--draft-tokens", type=int, default=None, help=draft_tokens)
+    _add_sd_options(p)
+    _add_resampling(p)
 
 
 def add_auto(p: argparse.ArgumentParser) -> None:
@@ -223,7 +236,7 @@ def add_auto(p: argparse.ArgumentParser) -> None:
     p.set_defaults(exact=None)  # no flag of its own: --approximate is its opposite
 
 
-def add_sd_options(p: argparse.ArgumentParser) -> None:
+def _add_sd_options(p: argparse.ArgumentParser) -> None:
     """sd's own settings (`SDConfig`): the verification rule and the proposal; None: not given
     (sd's own default)."""
     p.add_argument(
@@ -250,7 +263,7 @@ def add_sd_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_resampling(p: argparse.ArgumentParser) -> None:
+def _add_resampling(p: argparse.ArgumentParser) -> None:
     add_resample_threshold(p)
     p.add_argument(
         "--resampling",

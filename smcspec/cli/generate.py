@@ -13,10 +13,8 @@ from smcspec.cli.common import (
     K_HELP,
     add_auto,
     add_engine_limits,
+    add_method_settings,
     add_model_options,
-    add_particles,
-    add_resampling,
-    add_sd_options,
     command,
     engine_limits,
     llm_from_args,
@@ -43,13 +41,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "prompt", help="the prompt (a user message unless --no-chat); - reads standard input"
     )
     gen.add_argument("--method", choices=method_names(), default=None, help=METHOD_HELP)
-    add_particles(gen, f"particles N (smc, msd); more than {MAX_PARTICLES} need --allow-large")
-    gen.add_argument(
-        "--allow-large", action="store_true", help=f"allow more than {MAX_PARTICLES} particles"
-    )
-    gen.add_argument("-k", "--draft-tokens", type=int, default=None, help=K_HELP)
-    add_sd_options(gen)
-    add_resampling(gen)
+    n_help = f"particles N (smc, msd); more than {MAX_PARTICLES} need --allow-large"
+    add_method_settings(gen, n_help, K_HELP, allow_large=True)
     add_auto(gen)
     add_sampling_flags(gen)
     add_model_options(gen)

@@ -10,10 +10,8 @@ import sys
 from smcspec.cli.common import (
     K_HELP,
     add_engine_limits,
+    add_method_settings,
     add_model_options,
-    add_particles,
-    add_resampling,
-    add_sd_options,
     command,
     engine_limits,
     http_limits,
@@ -45,12 +43,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="for requests that name none (default: auto, the fastest setting for each request)",
     )
-    add_particles(serve, f"N for requests that give none, at most {MAX_PARTICLES}")
-    serve.add_argument(
-        "-k", "--draft-tokens", type=int, default=None, help="K for requests; " + K_HELP
-    )
-    add_sd_options(serve)
-    add_resampling(serve)
+    n_help = f"N for requests that give none, at most {MAX_PARTICLES}"
+    add_method_settings(serve, n_help, "K for requests; " + K_HELP, allow_large=False)
     serve.add_argument(
         "--approximate",
         action="store_true",

@@ -43,6 +43,7 @@ from smcspec.decoding.auto_contract import (
     AutoSMCStats,
     AutoStats,
     Choice,
+    Finished,
     MakeSetting,
     Outlook,
     ParticleDecoder,
@@ -52,14 +53,13 @@ from smcspec.decoding.auto_contract import (
     reads_text,
 )
 from smcspec.decoding.base import (
+    Call,
+    Decoder,
     DecodeResult,
     RoundArgs,
     SharedCaches,
-    SMCStats,
     StageClock,
-    Watch,
     check_prompt,
-    no_autograd,
     released,
 )
 from smcspec.decoding.logprobs import TokenLogprobs
@@ -142,7 +142,7 @@ class _Run:
         self.measured[time.config] = (rounds + time.rounds, tokens + len(block))
 
 
-class AutoDecoder:
+class AutoDecoder(Decoder):
     """`method="auto"` (the module docstring). `make(config, potential)` builds the decoder of
     the method a chosen config belongs to (its row of the method table); an exact one must also
     `step`."""
@@ -163,14 +163,8 @@ class AutoDecoder:
         self.tuner = tuner
         self.make = make
 
-    @no_autograd
-    def decode(
-        self,
-        prompt: list[int],
-        sampling_cfg: SamplingConfig,
-        generator: torch.Generator,
-        watch: Watch | None = None,
-    ) -> DecodeResult:
+    def _decode(self, call: Call) -> DecodeResult:
+        prompt, sampling_cfg = call.prompt, call.s
         check_prompt(prompt, self.target)
         clock = StageClock()
         most = self.config.draft_tokens or self.config.max_draft_tokens
@@ -181,18 +175,18 @@ class AutoDecoder:
             lookup=LookupTally(start=len(prompt), most=most),
         )
         if self.potential is not None:
-            return self._with_potential(run, generator, watch)
+            return self._with_potential(run, call)
         choice: Choice | None = self._choose(run, None)
         while choice is not None and not run.done and run.remaining > 0:
             if choice.exact:  # until the end, or until an approximate setting is chosen
-                choice = self._exact(run, choice, generator, watch, clock)
+                choice = self._exact(run, choice, call, clock)
             else:
-                self._approximate(run, choice, generator, watch, clock)
+                self._approximate(run, choice, call, clock)
                 choice = self._choose(run, choice.config)
         seconds, split = clock.finish()
         spread = run.divergences
         divergence = max(spread) if spread else None
-        self.tuner.observe(run.times, sampling_cfg, run.tally, divergence)
+        self.tuner.observe(Finished(run.times, sampling_cfg, run.tally, divergence))
         logprobs = TokenLogprobs.join(run.scores) if sampling_cfg.logprobs is not None else None
         return DecodeResult(run.new, run.rounds, seconds, split, _stats(run), logprobs=logprobs)
 
@@ -217,21 +211,14 @@ class AutoDecoder:
             run.segments.append(_Segment(choice, run.rounds))
         return choice
 
-    def _exact(
-        self,
-        run: _Run,
-        choice: Choice,
-        generator: torch.Generator,
-        watch: Watch | None,
-        clock: StageClock,
-    ) -> Choice | None:
+    def _exact(self, run: _Run, choice: Choice, call: Call, clock: StageClock) -> Choice | None:
         """Rounds of exact settings over one pair of caches, re-choosing every `redecide_every`
         rounds, until the request ends (None) or an approximate setting is chosen (its choice)."""
         with released() as held:
             with clock.stage("prefill"):
                 caches = SharedCaches(self.target, self.draft, run.seq[0], held)
             since = 0
-            args = RoundArgs(run.s, generator, clock, len(run.prompt))
+            args = RoundArgs(run.s, call.generator, clock, len(run.prompt))
             while not run.done and run.remaining > 0:
                 if since == self.config.redecide_every:
                     choice, since = self._choose(run, choice.config), 0
@@ -254,18 +241,11 @@ class AutoDecoder:
                 run.lookup.update(run.prompt + run.new)
                 if step.scored is not None:
                     run.scores.append(step.scored)
-                if not run.done and watch is not None and watch(run.new):
+                if not run.done and call.watch is not None and call.watch(run.new):
                     run.stopped = run.done = True
         return None
 
-    def _approximate(
-        self,
-        run: _Run,
-        choice: Choice,
-        generator: torch.Generator,
-        watch: Watch | None,
-        clock: StageClock,
-    ) -> None:
+    def _approximate(self, run: _Run, choice: Choice, call: Call, clock: StageClock) -> None:
         """The rest of the request by an approximate (particle) setting, from the committed
         text, until its rounds' mean ESS / N falls below the floor."""
         n = choice.config.particles
@@ -276,14 +256,14 @@ class AutoDecoder:
 
         head = list(run.new)
         particles = cast(ParticleDecoder, self.make(choice.config, None))  # approximate
-        result = particles.decode(
+        watch = call.watch
+        rest = Call(
             run.prompt,
             dataclasses.replace(run.s, max_new_tokens=run.remaining),
-            generator,
+            call.generator,
             None if watch is None else lambda tokens: watch(head + tokens),
-            generated=head,
-            stop_when=low_ess,
         )
+        result = particles.resume(rest, head, low_ess)
         split = result.stage_seconds
         clock.add({k: v for k, v in split.items() if k != "other"})
         time = RoundTime(
@@ -308,19 +288,15 @@ class AutoDecoder:
         run.stopped = stats.stopped
         run.done = ended or run.stopped or len(tokens) == 0
 
-    def _with_potential(
-        self, run: _Run, generator: torch.Generator, watch: Watch | None
-    ) -> DecodeResult:
+    def _with_potential(self, run: _Run, call: Call) -> DecodeResult:
         """The setting the tuner picks (smc: the conditional needs it), for the whole request."""
         choice = self._choose(run, None)
-        result = self.make(choice.config, self.potential).decode(
-            run.prompt, run.s, generator, watch
-        )
+        result = self.make(choice.config, self.potential).decode(*call)
         segment = run.segments[-1]
         segment.rounds, segment.tokens = result.rounds, len(result.tokens)
         split = result.stage_seconds
         segment.seconds = split["draft"] + split["verify"] + split["resample"]
-        smc = cast(SMCStats, result.stats)
+        smc = result.stats  # smc's: the conditional needs it
         own = {f.name: getattr(smc, f.name) for f in dataclasses.fields(smc)}
         return dataclasses.replace(result, stats=AutoSMCStats(**own, settings=[segment.report()]))
 

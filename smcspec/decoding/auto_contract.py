@@ -1,7 +1,8 @@
 """auto's contract with the tuner that chooses for it and the decoders it runs: what a choice
 is made from (`Outlook`), what it returns (`Choice`), what a finished request teaches
-(`RoundTime`), the two kinds of decoder it drives (`Stepper`, `ParticleDecoder`), and the
-statistics it reports (`AutoStats`; `AutoSMCStats` where it ran smc for the whole request)."""
+(`Finished`, its `RoundTime`s), the two kinds of decoder it drives (`Stepper`,
+`ParticleDecoder`), and the statistics it reports (`AutoStats`; `AutoSMCStats` where it ran smc
+for the whole request)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from smcspec.config import AutoConfig, DecodingConfig, SamplingConfig
 from smcspec.decoding.agreement import Tally
 from smcspec.decoding.base import (
+    Call,
     Decoder,
     DecodeResult,
     RoundArgs,
@@ -21,7 +23,6 @@ from smcspec.decoding.base import (
     SMCStats,
     Stats,
     Step,
-    Watch,
 )
 from smcspec.decoding.lookup import LookupTally
 from smcspec.decoding.population import Population
@@ -70,49 +71,51 @@ class RoundTime(NamedTuple):
     target_seconds: float
 
 
+class Finished(NamedTuple):
+    """What a finished request teaches the tuner: its round times, its sampling settings, the
+    agreement it measured, and chi^2 / N estimated from its smc rounds
+    (`AutoConfig.divergence`; None: it ran none)."""
+
+    rounds: list[RoundTime]
+    sampling: SamplingConfig
+    tally: Tally
+    divergence: float | None = None
+
+
 class Tuner(Protocol):
     """Chooses settings and learns from what they cost (`engine.tuning.Tuner`)."""
 
     def choose(self, outlook: Outlook) -> Choice: ...
 
-    def observe(
-        self,
-        rounds: list[RoundTime],
-        sampling: SamplingConfig,
-        tally: Tally,
-        divergence: float | None = None,
-    ) -> None:
-        """A finished request's round times, the agreement it measured, and chi^2 / N estimated
-        from its smc rounds (`AutoConfig.divergence`; None: it ran none)."""
+    def observe(self, finished: Finished) -> None:
+        """Learn from a finished request."""
 
 
-class Stepper(Decoder, Protocol):
-    """An exact method's decoder, which also runs single rounds over shared caches."""
+class Stepper(Protocol):
+    """What auto asks of an exact method's `Decoder` beside `decode`: single rounds over shared
+    caches."""
 
     def step(
         self, seq: torch.Tensor, caches: SharedCaches, remaining: int, args: RoundArgs
     ) -> Step: ...
 
 
-class ParticleDecoder(Decoder, Protocol):
-    """An approximate method's decoder (smc's), which auto runs from the committed text
-    (`generated`) until its weights degenerate (`stop_when`)."""
+class ParticleDecoder(Protocol):
+    """What auto asks of an approximate method's `Decoder` (smc's) beside `decode`: to run from
+    the committed text (`generated`) until its weights degenerate (`stop_when`)."""
 
-    def decode(
+    def resume(
         self,
-        prompt: list[int],
-        sampling_cfg: SamplingConfig,
-        generator: torch.Generator,
-        watch: Watch | None = None,
-        *,
+        call: Call,
         generated: Sequence[int] = (),
         stop_when: Callable[[Population], bool] | None = None,
     ) -> DecodeResult: ...
 
 
-# (settings, potential) -> the decoder of the method whose settings they are: a Stepper for an
-# exact method, a ParticleDecoder for an approximate one (the method table's `decoder`)
-MakeSetting = Callable[[DecodingConfig, Potential | None], Stepper | ParticleDecoder]
+# (settings, potential) -> the decoder of the method whose settings they are (the method
+# table's `decoder`): a Stepper too for an exact method, a ParticleDecoder too for an
+# approximate one
+MakeSetting = Callable[[DecodingConfig, Potential | None], Decoder]
 
 
 @dataclass

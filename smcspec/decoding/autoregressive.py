@@ -8,12 +8,12 @@ from smcspec import sampling
 from smcspec.config import SamplingConfig
 from smcspec.decoding.base import (
     ARStats,
+    Call,
+    Decoder,
     DecodeResult,
     RoundArgs,
     SharedCaches,
     Step,
-    Watch,
-    no_autograd,
     opened,
     pending,
 )
@@ -23,7 +23,7 @@ from smcspec.models.base import CausalLM, KVCache
 from smcspec.potentials import Potential
 
 
-class AutoregressiveDecoder:
+class AutoregressiveDecoder(Decoder):
     """One token at a time from p, or, with a potential, from the locally shaped law
     p^alpha * mask / norm at each step: local tempering and masking, the naive approach whose
     bias against the sequence-level target SMC removes. At temperature 0 that law is the point
@@ -37,14 +37,8 @@ class AutoregressiveDecoder:
         self.target = target
         self.potential = potential
 
-    @no_autograd
-    def decode(
-        self,
-        prompt: list[int],
-        sampling_cfg: SamplingConfig,
-        generator: torch.Generator,
-        watch: Watch | None = None,
-    ) -> DecodeResult:
+    def _decode(self, call: Call) -> DecodeResult:
+        prompt, sampling_cfg, generator, watch = call
         guide = Guide(self.potential, 1) if self.potential is not None else None
         stopped = False
         scores: list[TokenLogprobs] = []

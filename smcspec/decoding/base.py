@@ -6,13 +6,15 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, NamedTuple, Protocol
+from typing import Any, ClassVar, Generic, NamedTuple, TypeVar
 
 import torch
 
 from smcspec.config import SamplingConfig
 from smcspec.decoding.logprobs import TokenLogprobs
 from smcspec.models.base import CausalLM, KVCache
+
+C = TypeVar("C")  # a method's settings (`Drafted.config`)
 
 STAGES = ("prefill", "draft", "verify", "resample", "other")
 
@@ -118,10 +120,20 @@ ar and sd; the particles' common prefix for smc), so callers can stream them. Re
 stops decoding: the caller has seen what it needs (a stop string) or no longer wants the rest."""
 
 
-class Decoder(Protocol):
-    """What every decoder shares (ar, sd, msd, smc, auto): decode `prompt` under
-    `sampling_cfg`, drawing every random number from `generator`, and report to `watch` after
-    every round."""
+class Call(NamedTuple):
+    """One request as a decoder's `_decode` receives it: `Decoder.decode`'s four arguments."""
+
+    prompt: list[int]
+    s: SamplingConfig
+    generator: torch.Generator
+    watch: Watch | None
+
+
+class Decoder:
+    """What every decoder shares (ar, sd, msd, smc, auto): `decode` runs `prompt` under
+    `sampling_cfg`, drawing every random number from `generator`, and reports to `watch` after
+    every round. A method writes `_decode(call)`; `decode` is the one public door, and runs it
+    without autograd (`no_autograd`)."""
 
     def decode(
         self,
@@ -129,7 +141,21 @@ class Decoder(Protocol):
         sampling_cfg: SamplingConfig,
         generator: torch.Generator,
         watch: Watch | None = None,
-    ) -> DecodeResult: ...
+    ) -> DecodeResult:
+        with no_autograd():
+            return self._decode(Call(prompt, sampling_cfg, generator, watch))
+
+    def _decode(self, call: Call) -> DecodeResult:
+        raise NotImplementedError
+
+
+class Drafted(Decoder, Generic[C]):
+    """A decoder of a target, a draft and its method's settings (sd's, msd's)."""
+
+    def __init__(self, target: CausalLM, draft: CausalLM, config: C) -> None:
+        self.target = target
+        self.draft = draft
+        self.config = config
 
 
 class RoundArgs(NamedTuple):
@@ -259,10 +285,12 @@ def start_cache(
     return cache
 
 
-no_autograd = torch.inference_mode()
-"""The decorator of every decoder's `decode`: no autograd records on a round's hundred small
-operations (a toy-model decode 16-19% faster, one thread). What a decode returns holds lists,
-not tensors, so no inference-mode tensor reaches the caller."""
+def no_autograd() -> torch.inference_mode:
+    """What every `Decoder.decode` runs its method under: no autograd records on a round's
+    hundred small operations (a toy-model decode 16-19% faster, one thread). A fresh context
+    each call, so threads decoding at once share none. What a decode returns holds lists, not
+    tensors, so no inference-mode tensor reaches the caller."""
+    return torch.inference_mode()
 
 
 @contextmanager

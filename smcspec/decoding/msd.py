@@ -46,13 +46,13 @@ from smcspec.config import MSDConfig, SamplingConfig
 from smcspec.decoding import lookup, msd_block, msd_lookup
 from smcspec.decoding.agreement import Tally, agreement
 from smcspec.decoding.base import (
+    Call,
     DecodeResult,
+    Drafted,
     MSDStats,
     RoundArgs,
     SharedCaches,
     Step,
-    Watch,
-    no_autograd,
     opened,
     pending,
     restart_rows,
@@ -65,7 +65,7 @@ from smcspec.decoding.residuals import (
     residual_scales,
     undrafted,
 )
-from smcspec.models.base import CausalLM, KVCache
+from smcspec.models.base import KVCache
 
 
 class Round(NamedTuple):
@@ -83,21 +83,10 @@ class Round(NamedTuple):
     agreement: torch.Tensor
 
 
-class MultiDraftDecoder:
-    def __init__(self, target: CausalLM, draft: CausalLM, config: MSDConfig) -> None:
-        self.target = target
-        self.draft = draft
-        self.config = config
-
-    @no_autograd
-    def decode(
-        self,
-        prompt: list[int],
-        sampling_cfg: SamplingConfig,
-        generator: torch.Generator,
-        watch: Watch | None = None,
-    ) -> DecodeResult:
-        s, n = sampling_cfg, self.config.particles
+class MultiDraftDecoder(Drafted[MSDConfig]):
+    def _decode(self, call: Call) -> DecodeResult:
+        prompt, s, generator, watch = call
+        n = self.config.particles
         with opened(prompt, n, self.target, self.draft) as (clock, seq, caches):
             new: list[int] = []
             walked: list[tuple[int, int]] = []  # per round: (drafts per row, depth reached)

@@ -27,12 +27,12 @@ from smcspec.config import SamplingConfig, SMCConfig
 from smcspec.decoding import particles
 from smcspec.decoding.agreement import agreement
 from smcspec.decoding.base import (
+    Call,
+    Decoder,
     DecodeResult,
     SMCStats,
     StageClock,
-    Watch,
     check_prompt,
-    no_autograd,
     opened,
     pending,
     rollback,
@@ -85,7 +85,7 @@ def _score(
     return score(logp, torch.cat([drafts, bonus[:, None]], dim=1), top)
 
 
-class SMCDecoder:
+class SMCDecoder(Decoder):
     """SMC-SD towards p, or towards p(x) phi(x) / Z with a potential phi (see `smc_guide`)."""
 
     def __init__(
@@ -100,28 +100,24 @@ class SMCDecoder:
         self.config = config
         self.potential = potential
 
-    @no_autograd
-    def decode(
+    def _decode(self, call: Call) -> DecodeResult:
+        return self.resume(call)
+
+    def resume(
         self,
-        prompt: list[int],
-        sampling_cfg: SamplingConfig,
-        generator: torch.Generator,
-        watch: Watch | None = None,
-        *,
+        call: Call,
         generated: Sequence[int] = (),
         stop_when: Callable[[Population], bool] | None = None,
     ) -> DecodeResult:
-        """`Decoder.decode`, and two hooks for `decoding.auto`, which hands a request over part
-        way: `generated`, tokens already generated after the prompt (the particles start from
-        them, and penalties count them as generated; the result holds only what follows), and
-        `stop_when(population)`, asked after every round whether to stop there (the answer is
-        then drawn from the particles as at the end)."""
-        check_prompt([*prompt, *generated], self.target)
-        guide = self._guide(sampling_cfg)
+        """`decode` from part way, for `decoding.auto`, which hands a request over (it runs
+        this under its own `decode`): `generated`, tokens already generated after the prompt
+        (the particles start from them, and penalties count them as generated; the result
+        holds only what follows), and `stop_when(population)`, asked after every round whether
+        to stop there (the answer is then drawn from the particles as at the end)."""
+        check_prompt([*call.prompt, *generated], self.target)
+        guide = self._guide(call.s)
         try:
-            return self._decode(
-                prompt, sampling_cfg, generator, watch, guide, list(generated), stop_when
-            )
+            return self._particles(call, guide, list(generated), stop_when)
         finally:
             guide.release()  # even if the job's error (and its frames) is kept
 
@@ -130,16 +126,14 @@ class SMCDecoder:
             return NoGuide()
         return PotentialGuide(self.potential, self.config.particles, self._eos(s), s)
 
-    def _decode(
+    def _particles(
         self,
-        prompt: list[int],
-        sampling_cfg: SamplingConfig,
-        generator: torch.Generator,
-        watch: Watch | None,
+        call: Call,
         guide: RoundGuide,
         generated: list[int],
         stop_when: Callable[[Population], bool] | None,
     ) -> DecodeResult:
+        prompt, sampling_cfg, generator, watch = call
         n = self.config.particles
         pop = Population.start(n, sampling_cfg.max_new_tokens, sampling_cfg.logprobs)
         # the particles' shared start; penalties count from the prompt's end

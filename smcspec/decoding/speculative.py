@@ -40,19 +40,19 @@ from smcspec.config import SamplingConfig, SDConfig
 from smcspec.decoding import lookup
 from smcspec.decoding.agreement import Tally, agreement
 from smcspec.decoding.base import (
+    Call,
     DecodeResult,
+    Drafted,
     RoundArgs,
     SDStats,
     SharedCaches,
     Step,
-    Watch,
-    no_autograd,
     opened,
     pending,
     rollback,
 )
 from smcspec.decoding.logprobs import TokenLogprobs, score, to_host
-from smcspec.models.base import CausalLM, KVCache
+from smcspec.models.base import KVCache
 
 
 class SDRound(NamedTuple):
@@ -67,21 +67,9 @@ class SDRound(NamedTuple):
     scored: TokenLogprobs | None
 
 
-class SpeculativeDecoder:
-    def __init__(self, target: CausalLM, draft: CausalLM, config: SDConfig) -> None:
-        self.target = target
-        self.draft = draft
-        self.config = config
-
-    @no_autograd
-    def decode(
-        self,
-        prompt: list[int],
-        sampling_cfg: SamplingConfig,
-        generator: torch.Generator,
-        watch: Watch | None = None,
-    ) -> DecodeResult:
-        s = sampling_cfg
+class SpeculativeDecoder(Drafted[SDConfig]):
+    def _decode(self, call: Call) -> DecodeResult:
+        prompt, s, generator, watch = call
         # lookup alone never runs the draft model: no cache of its own to fill
         draft = self.draft if self.config.proposal != "lookup" else None
         with opened(prompt, 1, self.target, draft) as (clock, seq, (t_cache, d_cache)):

@@ -22,7 +22,7 @@ from smcspec.decoding.logprobs import score_prompt
 from smcspec.engine import pools, probes, timing
 from smcspec.engine.job import Job
 from smcspec.engine.loading import load_pair
-from smcspec.engine.request import Request, build_potential
+from smcspec.engine.request import POTENTIAL_KEYWORDS, Request, build_potential
 from smcspec.engine.result import GenerationResult
 from smcspec.engine.scheduler import Scheduler
 from smcspec.engine.text import TextStream, check_stops
@@ -296,18 +296,11 @@ class LLM:
         *,
         stop: str | Sequence[str] | None = None,
         chat: bool = True,
-        power_alpha: float | None = None,
-        regex: str | None = None,
-        json_schema: str | dict | None = None,
-        grammar: str | None = None,
-        reward: Callable[[str], float] | None = None,
-        reward_beta: float = 1.0,
-        reward_every: int | None = None,
-        potential: Potential | None = None,
         **settings: Any,
     ) -> Request:
-        """`plan` from `generate`'s keywords: the potentials (`power_alpha`, `regex`,
-        `json_schema`, `grammar`, `reward`, `potential`) and the settings that
+        """`plan` from `generate`'s keywords: the potentials (`POTENTIAL_KEYWORDS`, which
+        `build_potential` reads: `power_alpha`, `regex`, `json_schema`, `grammar`, `reward`
+        with `reward_beta` and `reward_every`, `potential`) and the settings that
         `decoding.methods.configs_from_fields` reads: each method's (particles, draft_tokens,
         resample_threshold, resampling, allow_large) and every `SamplingConfig` field
         (temperature, draft_temperature, top_k, top_p, max_new_tokens, stop_at_eos, seed, ...).
@@ -315,9 +308,8 @@ class LLM:
         None: each method's own default (`smcspec.config`: sd K=4; smc N=2, K=8; msd N=2,
         K=4). More than 64 particles need `allow_large=True`."""
         check_stops(stop)  # the cheap checks first, before a constraint compiles
-        potential = self.build_potential(
-            power_alpha, regex, json_schema, grammar, reward, reward_beta, reward_every, potential
-        )
+        asked = {k: settings.pop(k) for k in POTENTIAL_KEYWORDS if k in settings}
+        potential = self.build_potential(**asked)
         try:
             decoding, sampling = methods.configs_from_fields({"method": method} | settings)
         except TypeError as err:  # an unknown keyword, named as Python names one

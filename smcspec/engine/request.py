@@ -73,6 +73,19 @@ class Request:
         )
 
 
+# `generate`'s keywords that `build_potential` reads (the rest are settings)
+POTENTIAL_KEYWORDS = (
+    "power_alpha",
+    "regex",
+    "json_schema",
+    "grammar",
+    "reward",
+    "reward_beta",
+    "reward_every",
+    "potential",
+)
+
+
 def build_potential(
     llm: TextModel,
     power_alpha: float | None = None,
@@ -82,11 +95,11 @@ def build_potential(
     reward: Callable[[str], float] | None = None,
     reward_beta: float = 1.0,
     reward_every: int | None = None,
-    extra: Potential | None = None,
+    potential: Potential | None = None,
 ) -> Potential | None:
     """The product of the potentials asked for, or None: power, one constraint (a regex, a JSON
     schema or a Lark grammar, compiled against `llm`'s tokenizer), a reward of the decoded text,
-    and any potential object (`extra`)."""
+    and any potential object (`potential`)."""
     parts: list[Potential] = []
     if power_alpha is not None:
         parts.append(Power(power_alpha))
@@ -106,8 +119,8 @@ def build_potential(
             raise ValueError(f"reward must be a function of the text, got {reward!r}")
         decode = llm.decode_text
         parts.append(Reward(lambda ids, final: reward(decode(ids)), reward_beta, reward_every))
-    if extra is not None:
-        parts.append(extra)
+    if potential is not None:
+        parts.append(potential)
     if not parts:
         return None
     return parts[0] if len(parts) == 1 else Product(parts)

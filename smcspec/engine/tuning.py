@@ -37,8 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 from smcspec.config import ARConfig, AutoConfig, DecodingConfig, SamplingConfig, SDConfig
-from smcspec.decoding.agreement import Tally
-from smcspec.decoding.auto_contract import Choice, Outlook, RoundTime, reads_text
+from smcspec.decoding.auto_contract import Choice, Finished, Outlook, reads_text
 from smcspec.decoding.lookup import LOOKUP_PROPOSALS
 from smcspec.decoding.methods import Grid, candidates, method_of, method_row
 from smcspec.engine import costs as step_costs
@@ -219,17 +218,12 @@ class Tuner:
         seen = self._divergence.get(sampling_key(outlook.sampling))
         return seen is None or seen <= outlook.config.max_divergence
 
-    def observe(
-        self,
-        rounds: list[RoundTime],
-        sampling: SamplingConfig,
-        tally: Tally,
-        divergence: float | None = None,
-    ) -> None:
+    def observe(self, finished: Finished) -> None:
         """Blend a finished request's round times into the costs (each setting's rounds as one
         observation, `costs.refresh`; not while other requests run, whose rows its passes
-        carried), its mean agreement into the prior and its smc rounds'
-        chi^2 / N into the one kept for its sampling settings."""
+        carried), its mean agreement into the prior and its smc rounds' chi^2 / N into the one
+        kept for its sampling settings."""
+        rounds, sampling, tally, divergence = finished
         totals: dict[DecodingConfig, list[float]] = {}
         if self.sharing() > 1:  # its passes held other requests' rows: not its own price
             rounds = []

@@ -37,19 +37,10 @@ from smcspec.engine.job import Cancelled, Job
 from smcspec.engine.scheduler import Scheduler
 from smcspec.engine.text import check_stops
 from smcspec.potentials import Potential
-from smcspec.server import request_fields, tools
+from smcspec.server import request_fields, schema, tools
 from smcspec.server.api_error import SHUTTING_DOWN, ApiError, check_unicode
 from smcspec.server.metrics import ServerMetrics
 from smcspec.server.responses import Finished, ParticleText, SmcspecExtension
-from smcspec.server.schema import (
-    ChatMessage,
-    ChatRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    GenerationFields,
-    TokenizeChatRequest,
-    TokenizeCompletionRequest,
-)
 
 # No tokenizer we know packs more characters than this into a token, so a text longer than this
 # many characters per position of the context cannot fit: it is refused before tokenizing.
@@ -168,7 +159,7 @@ class Server:
                 code="model_not_found",
             )
 
-    def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
+    def completion_prompts(self, body: schema.CompletionRequest) -> list[list[int]]:
         prompt = body.prompt
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             vocab = self.llm.target.vocab_size
@@ -186,7 +177,7 @@ class Server:
         except ValueError as err:
             raise ApiError(str(err), "prompt") from err
 
-    def chat_prompt(self, body: ChatRequest) -> list[list[int]]:
+    def chat_prompt(self, body: schema.ChatRequest) -> list[list[int]]:
         messages = tools.template_messages(request_fields.message_dicts(body.messages))
         self._check_fits(sum(len(m["content"] or "") for m in messages), "messages")
         shown = None
@@ -197,9 +188,9 @@ class Server:
         except (ValueError, TemplateError) as err:
             raise ApiError(str(err), "messages") from err
 
-    def tool_grammar(self, body: GenerationFields) -> str | None:
+    def tool_grammar(self, body: schema.GenerationFields) -> str | None:
         """The grammar a chat request's tool_choice puts on the reply (None: none)."""
-        if not isinstance(body, ChatRequest) or not body.tools:
+        if not isinstance(body, schema.ChatRequest) or not body.tools:
             return None
         tokenizer = self.llm.tokenizer
         special = tokenizer is not None and tools.OPEN in tokenizer.get_added_vocab()
@@ -207,7 +198,9 @@ class Server:
         parallel = body.parallel_tool_calls is not False
         return tools.grammar(listed, body.tool_choice_value, parallel, special)
 
-    def plan(self, body: GenerationFields, prompts: list[list[int]], param: str) -> list[Choice]:
+    def plan(
+        self, body: schema.GenerationFields, prompts: list[list[int]], param: str
+    ) -> list[Choice]:
         """One checked `Request` per (prompt, sample), with its own seed."""
         for i, stop in enumerate(body.stops):
             check_unicode(stop, "stop" if isinstance(body.stop, str) else f"stop.{i}")
@@ -238,7 +231,7 @@ class Server:
                 choices.append(Choice(len(choices), plan))
         return choices
 
-    def _potential(self, body: GenerationFields) -> Potential | None:
+    def _potential(self, body: schema.GenerationFields) -> Potential | None:
         """The request's potential, built once: every choice shares it (each particle gets its
         own state). A constraint's own errors name its field; the model's do not."""
         schema, grammar = request_fields.response_schema(body), self.tool_grammar(body)
@@ -255,11 +248,13 @@ class Server:
 
     # -- vLLM's tokenizer routes ---------------------------------------------------------------
 
-    def tokenize(self, body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
+    def tokenize(
+        self, body: schema.TokenizeCompletionRequest | schema.TokenizeChatRequest
+    ) -> dict[str, Any]:
         """POST /tokenize: the ids of a text, or of messages through the chat template, with the
         context length to compare them to (null when the model states none)."""
         tokenizer = self._tokenizer(body.model)
-        if isinstance(body, TokenizeChatRequest):
+        if isinstance(body, schema.TokenizeChatRequest):
             self._check_fits(sum(len(m.text) for m in body.messages), "messages")
             text = self._templated(tokenizer, body.messages, body.add_generation_prompt)
         else:
@@ -269,7 +264,7 @@ class Server:
         ids = tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
         return {"count": len(ids), "max_model_len": self.context_length, "tokens": ids}
 
-    def detokenize(self, body: DetokenizeRequest) -> dict[str, str]:
+    def detokenize(self, body: schema.DetokenizeRequest) -> dict[str, str]:
         """POST /detokenize. Special tokens are kept, as vLLM keeps them, so that a chat
         template's markers show."""
         tokenizer = self._tokenizer(body.model)
@@ -285,7 +280,9 @@ class Server:
             raise ApiError("this model has no tokenizer: its prompts are token ids")
         return self.llm.tokenizer
 
-    def _templated(self, tokenizer: Any, messages: list[ChatMessage], add_generation: bool) -> str:
+    def _templated(
+        self, tokenizer: Any, messages: list[schema.ChatMessage], add_generation: bool
+    ) -> str:
         if not getattr(tokenizer, "chat_template", None):
             raise ApiError("this model has no chat template: tokenize a prompt", "messages")
         try:
@@ -307,7 +304,9 @@ class Server:
                 param,
             )
 
-    def _token_limit(self, body: GenerationFields, prompt_len: int, lookahead: int, param: str):
+    def _token_limit(
+        self, body: schema.GenerationFields, prompt_len: int, lookahead: int, param: str
+    ):
         """max_tokens as asked, or the server default cut to the room the context leaves."""
         limit = body.token_limit
         ctx = self.context_length

@@ -66,8 +66,8 @@ class Scripted:
                 break
         return Choice(config, row.name, row.exact, 1.0)
 
-    def observe(self, rounds, sampling, tally, divergence=None):
-        self.observed.append((rounds, tally.positions, divergence))
+    def observe(self, finished):
+        self.observed.append((finished.rounds, finished.tally.positions, finished.divergence))
 
 
 EVERY_ROUND = AutoConfig(redecide_every=1)

@@ -95,7 +95,11 @@ READS: dict[tuple[str, str, str], tuple[str, str]] = {
     ),
     ("smc.py", "SMCDecoder._round", "logits.cpu()"): (EXTRA, "with a potential (on_host)"),
     ("smc.py", "SMCDecoder._propose", "logits.cpu()"): (EXTRA, "with a potential (on_host)"),
-    ("autoregressive.py", "AutoregressiveDecoder.decode", "(adjusted if greedy else logp).cpu()"): (
+    (
+        "autoregressive.py",
+        "AutoregressiveDecoder._decode",
+        "(adjusted if greedy else logp).cpu()",
+    ): (
         EXTRA,
         "with a potential, which runs on the host",
     ),
@@ -140,8 +144,8 @@ READS: dict[tuple[str, str, str], tuple[str, str]] = {
         "the decoder read the scores back with its round",
     ),
     ("smc.py", "SMCDecoder._round", "pop.live.tolist()"): (HOST, "Population lives on the host"),
-    ("smc.py", "SMCDecoder._decode", "weights.tolist()"): (HOST, "Population's weights"),
-    ("smc.py", "SMCDecoder._decode", "int(pop.lengths[choice])"): (HOST, "Population's"),
+    ("smc.py", "SMCDecoder._particles", "weights.tolist()"): (HOST, "Population's weights"),
+    ("smc.py", "SMCDecoder._particles", "int(pop.lengths[choice])"): (HOST, "Population's"),
     ("smc.py", "SMCDecoder._draw_answer", "bool(weights.sum() > 0)"): (HOST, "final weights"),
     (
         "smc.py",
@@ -154,7 +158,7 @@ READS: dict[tuple[str, str, str], tuple[str, str]] = {
     ),
     (
         "autoregressive.py",
-        "AutoregressiveDecoder.decode",
+        "AutoregressiveDecoder._decode",
         "bool(new and new[-1] in self.target.eos_token_ids and sampling_cfg.stop_at_eos)",
     ): (HOST, "Python values"),
 }

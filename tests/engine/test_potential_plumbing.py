@@ -142,3 +142,14 @@ def test_a_constraint_reaches_the_decoder_and_holds_in_the_text(
         assert json.loads(out.text) in SCHEMA["enum"], out.text
     else:
         assert re.fullmatch(language, out.text), out.text
+
+
+def test_generate_takes_as_potentials_the_keywords_build_potential_reads():
+    """`LLM.request` hands `POTENTIAL_KEYWORDS` to `build_potential` and the rest to the
+    settings: a keyword the builder gains and the list lacks would be refused as an unknown
+    setting. Failed on: "reward_every" left out of the list."""
+    import inspect
+
+    from smcspec.engine.request import POTENTIAL_KEYWORDS, build_potential
+
+    assert tuple(inspect.signature(build_potential).parameters)[1:] == POTENTIAL_KEYWORDS

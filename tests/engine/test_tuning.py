@@ -9,7 +9,7 @@ import pytest
 
 from smcspec.config import ARConfig, AutoConfig, MSDConfig, SamplingConfig, SDConfig, SMCConfig
 from smcspec.decoding.agreement import Tally
-from smcspec.decoding.auto_contract import Outlook, RoundTime, reads_text
+from smcspec.decoding.auto_contract import Finished, Outlook, RoundTime, reads_text
 from smcspec.decoding.lookup import LookupTally
 from smcspec.decoding.methods import Grid
 from smcspec.engine import LLM, tuning
@@ -183,7 +183,7 @@ def test_the_prior_and_smcs_divergence_are_kept_per_sampling_key_field_by_field(
     other = dataclasses.replace(KEYED, **fields)
     assert (tuning.sampling_key(other) != tuning.sampling_key(KEYED)) == keyed
     tuner = tuning.Tuner.fixed(STEEP)
-    tuner.observe([], KEYED, Tally(total=0.3 * 40, positions=40), divergence=0.5)
+    tuner.observe(Finished([], KEYED, Tally(total=0.3 * 40, positions=40), divergence=0.5))
     learned = 0.7 * tuning.DEFAULT_AGREEMENT + 0.3 * 0.3
     assert tuner.prior(KEYED) == pytest.approx(learned)
     assert tuner.prior(other) == (tuning.DEFAULT_AGREEMENT if keyed else pytest.approx(learned))
@@ -196,7 +196,7 @@ def test_observe_learns_costs_and_a_prior_but_a_seeded_request_reads_neither():
     tuner = tuning.Tuner.fixed(STEEP)
     tally = Tally(total=0.3 * 40, positions=40)
     times = [RoundTime(SDConfig(4), 10, 30, draft_seconds=8.0, target_seconds=50.0)]
-    tuner.observe(times, UNSEEDED, tally)
+    tuner.observe(Finished(times, UNSEEDED, tally))
     learned = tuner.costs
     # the pass at (1 row, 5 tokens) moved a quarter of the way to the measured 5 s a round
     assert learned.target(1, 5) == pytest.approx(0.75 * STEEP.target(1, 5) + 0.25 * 5.0)
@@ -306,13 +306,13 @@ def test_smc_whose_weights_degenerated_before_is_not_weighed_again_unless_seeded
     tuner = tuning.Tuner.fixed(FLAT)
     approximate = AutoConfig(exact=False)
     assert "smc" in {c.method for c in tuner.predictions(outlook(0.99, config=approximate))}
-    tuner.observe([], UNSEEDED, Tally(), divergence=0.1)  # over the bound (0.03)
+    tuner.observe(Finished([], UNSEEDED, Tally(), divergence=0.1))  # over the bound (0.03)
     methods_now = {c.method for c in tuner.predictions(outlook(0.99, config=approximate))}
     assert methods_now == {"ar", "sd", "msd"}
     seeded = tuner.predictions(outlook(0.99, config=approximate, sampling=SEEDED))
     assert "smc" in {c.method for c in seeded}  # a seed reads no history
     for _ in range(4):  # the kept mean (0.7 old + 0.3 new) falls back under the bound
-        tuner.observe([], UNSEEDED, Tally(), divergence=0.001)
+        tuner.observe(Finished([], UNSEEDED, Tally(), divergence=0.001))
     assert "smc" in {c.method for c in tuner.predictions(outlook(0.99, config=approximate))}
 
 
@@ -369,7 +369,7 @@ def test_a_request_that_shared_its_passes_teaches_no_costs():
     tuner = tuning.Tuner.fixed(STEEP)
     tuner.sharing = lambda: 4
     times = [RoundTime(SDConfig(4), 10, 30, draft_seconds=8.0, target_seconds=50.0)]
-    tuner.observe(times, UNSEEDED, Tally(total=0.3 * 40, positions=40))
+    tuner.observe(Finished(times, UNSEEDED, Tally(total=0.3 * 40, positions=40)))
     assert tuner.costs is STEEP
     assert tuner.prior(UNSEEDED) == pytest.approx(0.7 * tuning.DEFAULT_AGREEMENT + 0.3 * 0.3)
 
@@ -431,7 +431,7 @@ def test_lookup_rounds_teach_neither_the_draft_costs_nor_sds_measured_scale():
     sd's, it would make sd look cheap and its drafts good. Failed on: either filter removed."""
     tuner = tuning.Tuner.fixed(STEEP)
     looked = SDConfig(4, proposal="lookup")
-    tuner.observe([RoundTime(looked, 10, 50, 0.0, 5.0)], UNSEEDED, Tally())
+    tuner.observe(Finished([RoundTime(looked, 10, 50, 0.0, 5.0)], UNSEEDED, Tally()))
     assert tuner.costs == STEEP
     plain = {c.config: c.predicted for c in tuner.predictions(outlook(0.6))}
     measured = tuner.predictions(outlook(0.6, measured={looked: (10, 50)}))

@@ -1,6 +1,7 @@
 """auto: the fastest setting for this request on this machine, chosen as it runs.
 
-Every `redecide_every` rounds a `Tuner` (the engine's, `engine.tuning`) is asked which setting
+Every `redecide_every` rounds, and once more as soon as the committed text prices prompt
+lookup (`LookupTally.priced`), a `Tuner` (the engine's, `engine.tuning`) is asked which setting
 decodes fastest now: it predicts each candidate's tokens per second from the machine's measured
 step costs and the draft's agreement with the target, a = sum_x min(p, q)(x), which every
 drafting round measures exactly at the positions it drafted (`agreement`). The rounds then run
@@ -213,15 +214,19 @@ class AutoDecoder(Decoder):
 
     def _exact(self, run: _Run, choice: Choice, call: Call, clock: StageClock) -> Choice | None:
         """Rounds of exact settings over one pair of caches, re-choosing every `redecide_every`
-        rounds, until the request ends (None) or an approximate setting is chosen (its choice)."""
+        rounds and when lookup is first priced, until the request ends (None) or an approximate
+        setting is chosen (its choice)."""
         with released() as held:
             with clock.stage("prefill"):
                 caches = SharedCaches(self.target, self.draft, run.seq[0], held)
             since = 0
             args = RoundArgs(run.s, call.generator, clock, len(run.prompt))
+            priced = run.lookup.priced
             while not run.done and run.remaining > 0:
-                if since == self.config.redecide_every:
+                # every R rounds, and as soon as the text prices prompt lookup
+                if since == self.config.redecide_every or priced != run.lookup.priced:
                     choice, since = self._choose(run, choice.config), 0
+                    priced = run.lookup.priced
                     if not choice.exact:
                         return choice
                 stepper = cast(Stepper, self.make(choice.config, None))  # an exact setting

@@ -23,6 +23,8 @@ import torch
 LOOKUP_NGRAM = 3
 # the proposals that read the text: sd's `proposal` values other than "draft"
 LOOKUP_PROPOSALS = ("lookup", "lookup+draft")
+# positions measured before a tally prices lookup (`LookupTally.priced`): fewer say little
+LOOKUP_MIN_POSITIONS = 8
 
 
 def continuation(tokens: list[int], k: int, ngram: int = LOOKUP_NGRAM) -> list[int]:
@@ -56,7 +58,11 @@ class LookupTally:
     committed text after i is a draw from p given the text before it (the method was exact),
     and sd keeps a point-mass draft t_j with probability p(t_j | text, t_<j) once the earlier
     ones are kept, so P(a round from i keeps >= j drafts) = P(the text after i starts with
-    t_1..t_j). A position is counted once its next `most` tokens are committed."""
+    t_1..t_j). A position is counted (`positions`, `found`, `kept`) once its next `most` tokens
+    are committed; the latest ones, whose next tokens are only partly committed, count as
+    open (`_open`): each depth j of `drafts_kept` also reads the open positions whose token
+    i + j is committed, so the first rounds of a request are priced without waiting `most`
+    tokens for every position."""
 
     start: int  # the first position measured: the prompt's length
     most: int  # the largest K priced
@@ -66,31 +72,54 @@ class LookupTally:
     # kept[j]: positions whose proposal the text matched for at least j + 1 tokens
     kept: list[int] = field(default_factory=list)
     _next: int = -1
+    # the open positions: (position, its proposal, how many of it the text holds so far, how
+    # many of its next tokens are committed), recounted at each update
+    _open: list[tuple[int, list[int], int, int]] = field(default_factory=list)
     # per n: each n-gram's latest start indexed so far, and the next start to index
     _latest: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict)
     _indexed: dict[int, int] = field(default_factory=dict)
 
     def update(self, tokens: list[int]) -> None:
         """Count every position of `tokens` (the prompt and the text so far) not yet counted
-        whose next `most` tokens are there."""
+        whose next `most` tokens are there; keep the later ones open."""
         if len(self.kept) < self.most:
             self.kept += [0] * (self.most - len(self.kept))
         i = max(self._next, self.start)
-        while i + self.most <= len(tokens):
-            proposed = self._continuation(tokens, i)
-            self.positions += 1
-            self.found += bool(proposed)
-            for j, token in enumerate(proposed):
-                if token != tokens[i + j]:
+        # the open positions' proposals as made, then the new positions' (in order: the index
+        # of n-grams only grows)
+        pending = [(at, proposed) for at, proposed, *_ in self._open]
+        pending += [(at, self._continuation(tokens, at)) for at in range(i, len(tokens))]
+        self._open = []
+        for at, proposed in pending:
+            held = 0
+            while held < len(proposed) and at + held < len(tokens):
+                if proposed[held] != tokens[at + held]:
                     break
-                self.kept[j] += 1
-            i += 1
-        self._next = i
+                held += 1
+            if at + self.most <= len(tokens):
+                self.positions += 1
+                self.found += bool(proposed)
+                for j in range(held):
+                    self.kept[j] += 1
+            else:
+                self._open.append((at, proposed, held, len(tokens) - at))
+        self._next = max(i, len(tokens))
 
     def skip(self, length: int) -> None:
         """Count no position before `length`: text an approximate method committed, which is
-        not a draw from p."""
+        not a draw from p (open positions included)."""
         self._next = max(self._next, length)
+        self._open = []
+
+    @property
+    def measured(self) -> int:
+        """Positions measured: counted and open."""
+        return self.positions + len(self._open)
+
+    @property
+    def priced(self) -> bool:
+        """Whether enough positions are measured to price lookup (LOOKUP_MIN_POSITIONS)."""
+        return self.measured >= LOOKUP_MIN_POSITIONS
 
     def _continuation(self, tokens: list[int], i: int) -> list[int]:
         """`continuation(tokens[:i], most, ngram)` from an index of the n-grams before i, kept
@@ -109,12 +138,17 @@ class LookupTally:
 
     def drafts_kept(self, k: int) -> float:
         """Mean drafts a lookup round of K = k keeps: E[min(match, k)] = sum over j < k of
-        P(match > j); 0 before any position is counted."""
-        if not self.positions:
-            return 0.0
-        return sum(self.kept[: min(k, self.most)]) / self.positions
+        P(match > j), each from the positions whose token i + j is committed (the counted
+        ones and the open ones that reach depth j); 0 before any position is measured."""
+        total = 0.0
+        for j in range(min(k, self.most)):
+            held = self.kept[j] + sum(h > j for _, _, h, _ in self._open)
+            seen = self.positions + sum(c > j for *_, c in self._open)
+            total += held / seen if seen else 0.0
+        return total
 
     @property
     def found_rate(self) -> float:
-        """The share of positions where the lookup proposed anything (0 before any)."""
-        return self.found / self.positions if self.positions else 0.0
+        """The share of measured positions where the lookup proposed anything (0 before any)."""
+        found = self.found + sum(bool(p) for _, p, _, _ in self._open)
+        return found / self.measured if self.measured else 0.0

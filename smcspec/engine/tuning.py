@@ -21,7 +21,7 @@ An approximate setting (smc), chosen while exact rounds run, needs the prefix fe
 caches of its own: its prediction pays that (`handoff_seconds`) over the tokens left.
 
 sd with a lookup proposal is priced from what the lookup would have kept on the request's own
-text (`lookup.LookupTally`, measured once LOOKUP_MIN_POSITIONS positions are committed): a
+text (`lookup.LookupTally`, once `lookup.LOOKUP_MIN_POSITIONS` positions are measured): a
 position where the lookup proposes is a round of one target pass over K + 1 positions and no
 draft step (ar's round, measured, plus the pass's K more positions, from the fit); one where it
 proposes nothing is ar's round ("lookup") or a draft round ("lookup+draft"). Those rounds are
@@ -54,8 +54,6 @@ PRIOR_POSITIONS = 8
 SWITCH_MARGIN = 0.03
 # How much of the prior a finished request's mean replaces.
 PRIOR_WEIGHT = 0.3
-# Committed positions measured before prompt lookup is weighed: fewer say little.
-LOOKUP_MIN_POSITIONS = 8
 
 
 def sampling_key(s: SamplingConfig) -> tuple:
@@ -317,9 +315,9 @@ def _lookup_round(
     config: SDConfig, a: float, costs: StepCosts, outlook: Outlook
 ) -> tuple[float, float] | None:
     """(expected tokens, seconds) of a round of sd with a lookup proposal (the module
-    docstring); None before LOOKUP_MIN_POSITIONS positions are measured."""
+    docstring); None before the tally has measured enough positions (`LookupTally.priced`)."""
     tally = outlook.lookup
-    if tally is None or tally.positions < LOOKUP_MIN_POSITIONS:
+    if tally is None or not tally.priced:
         return None
     k, found = config.draft_tokens, tally.found_rate
     _, step = step_costs.round_cost("ar", ARConfig(), a, costs)

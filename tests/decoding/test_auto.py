@@ -23,6 +23,7 @@ from smcspec.config import (
 from smcspec.decoding import methods
 from smcspec.decoding.auto_contract import Choice
 from smcspec.decoding.autoregressive import AutoregressiveDecoder
+from smcspec.decoding.lookup import LOOKUP_MIN_POSITIONS
 from smcspec.decoding.msd import MultiDraftDecoder
 from smcspec.potentials import Power
 from tests.decoding.conftest import PROMPT
@@ -151,14 +152,30 @@ def test_the_report_names_each_setting_and_what_it_did(target, far_draft):
 
 @pytest.mark.parametrize("every", [1, 2, 3, 5])
 def test_auto_chooses_once_and_again_after_every_redecide_every_rounds(target, far_draft, every):
-    """The first round runs the first choice, and each `every` rounds later another is made: r
-    rounds take 1 + (r - 1) // every choices."""
-    settings = (SDConfig(2), ARConfig(), MSDConfig(2, 2))
-    decoder, tuner = auto(target, far_draft, settings, AutoConfig(redecide_every=every))
+    """The first round runs the first choice, and each `every` rounds later another is made,
+    counted again from the one extra choice when lookup is first priced (the test above)."""
+    seen = []
+
+    class Recording(Scripted):
+        def choose(self, outlook):
+            done = sum(rounds for rounds, _ in outlook.measured.values())
+            seen.append((done, outlook.lookup.priced))
+            return super().choose(outlook)
+
+    tuner = Recording((SDConfig(2), ARConfig(), MSDConfig(2, 2)))
+    decoder = methods.TABLE["auto"].decoder(
+        target, far_draft, AutoConfig(redecide_every=every), None, tuner
+    )
     cfg = SamplingConfig(1.0, max_new_tokens=30, stop_at_eos=False)
     out = decoder.decode(PROMPT, cfg, torch.Generator().manual_seed(4))
     assert out.rounds > 3 * every  # several re-choices
-    assert len(tuner.outlooks) == 1 + (out.rounds - 1) // every
+    at = [done for done, _ in seen]
+    first_priced = [priced for _, priced in seen].index(True)
+    want = []
+    for i in range(1, len(at)):  # a choice every `every` rounds, but the one that priced
+        want.append(at[i - 1] + every if i != first_priced else at[i])
+    assert at[0] == 0 and at[1:] == want and at[first_priced] - at[first_priced - 1] <= every
+    assert out.rounds - at[-1] <= every  # no choice missed at the end
 
 
 def test_approximate_hands_over_to_smc_and_back_when_its_weights_degenerate(target, far_draft):
@@ -255,3 +272,23 @@ def test_auto_takes_lookup_where_the_text_repeats():
         [1, 2, 3, 4], method="ar", max_new_tokens=80, temperature=0.0, stop_at_eos=False
     )
     assert out.token_ids == ar.token_ids
+
+
+def test_auto_chooses_again_as_soon_as_the_text_prices_lookup(target, far_draft):
+    """Besides every R rounds, one choice more at the first round whose committed text prices
+    prompt lookup (`LookupTally.priced`): a request that copies its prompt need not run R
+    rounds of the draft before lookup is weighed. Failed on: the choice left to R."""
+    seen = []
+
+    class Recording(Scripted):
+        def choose(self, outlook):
+            seen.append((outlook.lookup.priced, outlook.context))  # the tally grows after
+            return super().choose(outlook)
+
+    tuner = Recording((ARConfig(),))
+    config = AutoConfig(redecide_every=50)
+    decoder = methods.TABLE["auto"].decoder(target, far_draft, config, None, tuner)
+    cfg = SamplingConfig(1.0, max_new_tokens=30, stop_at_eos=False)
+    decoder.decode(PROMPT, cfg, torch.Generator().manual_seed(3))
+    # ar commits a token a round, and a position is measured once its token is committed
+    assert seen == [(False, len(PROMPT)), (True, len(PROMPT) + LOOKUP_MIN_POSITIONS)], seen

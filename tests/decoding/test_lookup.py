@@ -103,7 +103,9 @@ def test_sds_new_settings_are_checked_at_their_bounds(given, field):
 
 def test_the_tally_counts_what_continuation_proposes_at_every_position():
     """`LookupTally` indexes the n-grams as the text grows instead of rescanning it: the same
-    proposals as `continuation` at every position, fed in pieces, on 300 random texts."""
+    proposals as `continuation` at every position, fed in pieces, on 300 random texts; and its
+    estimate reads each depth j from every position whose token i + j is committed, the open
+    ones too. Failed on: an open position counted at depths its text has not reached."""
     for seed in range(300):
         rng = random.Random(seed)
         size, vocab = rng.randint(2, 60), rng.randint(2, 6)
@@ -122,6 +124,17 @@ def test_the_tally_counts_what_continuation_proposes_at_every_position():
                     break
                 kept[j] += 1
         assert (tally.positions, tally.found, tally.kept) == (positions, found, kept), seed
+        # every depth j from the positions whose token i + j is committed, open ones included
+        held, seen = [0] * most, [0] * most
+        for i in range(start, size):
+            proposed = continuation(tokens[:i], most, ngram)
+            for j in range(min(most, size - i)):
+                seen[j] += 1
+                held[j] += proposed[: j + 1] == tokens[i : i + j + 1] and len(proposed) > j
+        for k in range(most + 1):
+            want = sum(h / n for h, n in zip(held[:k], seen[:k], strict=True) if n)
+            assert tally.drafts_kept(k) == pytest.approx(want), (seed, k)
+        assert tally.measured == max(0, size - start), seed
 
 
 def _tally_estimate(text: list[int], k: int, shift: int = 0) -> float:
@@ -129,7 +142,7 @@ def _tally_estimate(text: list[int], k: int, shift: int = 0) -> float:
     matching the proposal against the text one position further on."""
     tally = LookupTally(start=len(PROMPT), most=k)
     tally.update(PROMPT + text[shift:] + text[:shift])
-    return tally.drafts_kept(k)
+    return sum(tally.kept[:k]) / tally.positions  # the one counted position (the others open)
 
 
 def _mean_and_variance(values: list[float]) -> tuple[float, float]:

@@ -10,7 +10,7 @@ import pytest
 from smcspec.config import ARConfig, AutoConfig, MSDConfig, SamplingConfig, SDConfig, SMCConfig
 from smcspec.decoding.agreement import Tally
 from smcspec.decoding.auto_contract import Finished, Outlook, RoundTime, reads_text
-from smcspec.decoding.lookup import LookupTally
+from smcspec.decoding.lookup import LOOKUP_MIN_POSITIONS, LookupTally
 from smcspec.decoding.methods import Grid
 from smcspec.engine import LLM, tuning
 from smcspec.engine import costs as cm
@@ -420,7 +420,7 @@ def test_lookup_is_chosen_where_the_text_copies_and_not_before_it_is_measured():
     assert chosen.config.draft_tokens == 8
     nothing = _tally(found=100, kept=[])
     assert not reads_text(tuner.choose(outlook(0.6)._replace(lookup=nothing)).config)
-    few = _tally(found=7, kept=[7] * 8, positions=tuning.LOOKUP_MIN_POSITIONS - 1)
+    few = _tally(found=7, kept=[7] * 8, positions=LOOKUP_MIN_POSITIONS - 1)
     options = tuner.predictions(outlook(0.6)._replace(lookup=few))
     assert not any(reads_text(c.config) for c in options)
     assert not any(reads_text(c.config) for c in tuner.predictions(outlook(0.6)))

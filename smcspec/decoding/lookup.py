@@ -79,11 +79,12 @@ class LookupTally:
     _latest: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict)
     _indexed: dict[int, int] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self.kept += [0] * (self.most - len(self.kept))
+
     def update(self, tokens: list[int]) -> None:
         """Count every position of `tokens` (the prompt and the text so far) not yet counted
         whose next `most` tokens are there; keep the later ones open."""
-        if len(self.kept) < self.most:
-            self.kept += [0] * (self.most - len(self.kept))
         i = max(self._next, self.start)
         # the open positions' proposals as made, then the new positions' (in order: the index
         # of n-grams only grows)

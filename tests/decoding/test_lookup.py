@@ -137,6 +137,13 @@ def test_the_tally_counts_what_continuation_proposes_at_every_position():
         assert tally.measured == max(0, size - start), seed
 
 
+def test_a_fresh_tally_has_measured_nothing():
+    """Failed on: `drafts_kept` indexing `kept` before the first update sized it."""
+    tally = LookupTally(start=5, most=4)
+    assert (tally.drafts_kept(4), tally.found_rate, tally.measured) == (0, 0, 0)
+    assert not tally.priced
+
+
 def _tally_estimate(text: list[int], k: int, shift: int = 0) -> float:
     """The tally's kept drafts at the position after PROMPT; shift 1: the plausible bug of
     matching the proposal against the text one position further on."""

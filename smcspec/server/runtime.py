@@ -234,17 +234,19 @@ class Server:
     def _potential(self, body: schema.GenerationFields) -> Potential | None:
         """The request's potential, built once: every choice shares it (each particle gets its
         own state). A constraint's own errors name its field; the model's do not."""
-        schema, grammar = request_fields.response_schema(body), self.tool_grammar(body)
+        json_schema, grammar = request_fields.response_schema(body), self.tool_grammar(body)
         field = "tools" if grammar is not None else "response_format"
         try:
-            if schema is not None or grammar is not None:
+            if json_schema is not None or grammar is not None:
                 self.llm.guidance_tokenizer()
         except ValueError as err:
             raise ApiError(str(err)) from err
         try:
-            return self.llm.build_potential(body.power_alpha, json_schema=schema, grammar=grammar)
+            return self.llm.build_potential(
+                body.power_alpha, json_schema=json_schema, grammar=grammar
+            )
         except ValueError as err:
-            raise ApiError(str(err), field if schema or grammar else None) from err
+            raise ApiError(str(err), field if json_schema or grammar else None) from err
 
     # -- vLLM's tokenizer routes ---------------------------------------------------------------
 

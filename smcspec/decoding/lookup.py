@@ -16,6 +16,7 @@ particles would all be copies of one text whose weight says nothing about p.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -47,6 +48,15 @@ def point_masses(tokens: list[int], vocab_size: int) -> torch.Tensor:
     return logq
 
 
+class _Open(NamedTuple):
+    """A position whose next `most` tokens are not all committed yet."""
+
+    at: int
+    proposed: list[int]
+    held: int  # how many of the proposal the text holds so far
+    seen: int  # how many of its next tokens are committed
+
+
 @dataclass
 class LookupTally:
     """What prompt lookup would keep, measured on text already committed by an exact method,
@@ -72,9 +82,7 @@ class LookupTally:
     # kept[j]: positions whose proposal the text matched for at least j + 1 tokens
     kept: list[int] = field(default_factory=list)
     _next: int = -1
-    # the open positions: (position, its proposal, how many of it the text holds so far, how
-    # many of its next tokens are committed), recounted at each update
-    _open: list[tuple[int, list[int], int, int]] = field(default_factory=list)
+    _open: list[_Open] = field(default_factory=list)  # recounted at each update
     # per n: each n-gram's latest start indexed so far, and the next start to index
     _latest: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict)
     _indexed: dict[int, int] = field(default_factory=dict)
@@ -88,7 +96,7 @@ class LookupTally:
         i = max(self._next, self.start)
         # the open positions' proposals as made, then the new positions' (in order: the index
         # of n-grams only grows)
-        pending = [(at, proposed) for at, proposed, *_ in self._open]
+        pending = [(o.at, o.proposed) for o in self._open]
         pending += [(at, self._continuation(tokens, at)) for at in range(i, len(tokens))]
         self._open = []
         for at, proposed in pending:
@@ -103,7 +111,7 @@ class LookupTally:
                 for j in range(held):
                     self.kept[j] += 1
             else:
-                self._open.append((at, proposed, held, len(tokens) - at))
+                self._open.append(_Open(at, proposed, held, len(tokens) - at))
         self._next = max(i, len(tokens))
 
     def skip(self, length: int) -> None:
@@ -143,13 +151,13 @@ class LookupTally:
         ones and the open ones that reach depth j); 0 before any position is measured."""
         total = 0.0
         for j in range(min(k, self.most)):
-            held = self.kept[j] + sum(h > j for _, _, h, _ in self._open)
-            seen = self.positions + sum(c > j for *_, c in self._open)
+            held = self.kept[j] + sum(o.held > j for o in self._open)
+            seen = self.positions + sum(o.seen > j for o in self._open)
             total += held / seen if seen else 0.0
         return total
 
     @property
     def found_rate(self) -> float:
         """The share of measured positions where the lookup proposed anything (0 before any)."""
-        found = self.found + sum(bool(p) for _, p, _, _ in self._open)
+        found = self.found + sum(bool(o.proposed) for o in self._open)
         return found / self.measured if self.measured else 0.0

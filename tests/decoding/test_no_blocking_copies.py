@@ -124,7 +124,7 @@ READS: dict[tuple[str, str, str], tuple[str, str]] = {
         )
     },
     ("lookup.py", "LookupTally.update", "bool(proposed)"): (HOST, "a list of token ids"),
-    ("lookup.py", "LookupTally.found_rate", "bool(p)"): (HOST, "a list of token ids"),
+    ("lookup.py", "LookupTally.found_rate", "bool(o.proposed)"): (HOST, "a list of token ids"),
     ("autoregressive.py", "AutoregressiveDecoder.draw", "int(token)"): (HOST, "read back above"),
     ("speculative.py", "SpeculativeDecoder._accept", "drafts.tolist()"): (HOST, "read back"),
     ("speculative.py", "SpeculativeDecoder._propose", "seq[0].tolist()"): (

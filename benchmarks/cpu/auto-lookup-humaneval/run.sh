@@ -2,15 +2,10 @@
 # auto on HumanEval prompts before (c2456e3, a second work tree at $BEFORE) and after it weighs
 # prompt lookup sooner, interleaved twice, alone on the machine: code that does not copy its
 # prompt must not pay for the earlier look. Each reply ends at its EOS; eos-ignored/ holds the
-# same runs at 128 tokens with EOS ignored (NATURAL= TOKENS=128 SUB=eos-ignored), where the text past
-# the answer repeats itself and lookup copies it.
+# same runs at 128 tokens with EOS ignored (NATURAL= TOKENS=128 SUB=eos-ignored), where the text
+# past the answer repeats itself and lookup copies it.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-BEFORE=${BEFORE:?a work tree of c2456e3}
 NATURAL=${NATURAL---natural-stop}
 ARGS="bench speed --methods ar auto --prompts 5 --max-new-tokens ${TOKENS:-256} $NATURAL --temperatures 0.7 --dtype int8"
-OUT=$PWD/benchmarks/cpu/auto-lookup-humaneval/${SUB:-.}
-for i in 1 2; do
-    (cd "$BEFORE" && PYTHONPATH="$BEFORE" "$OLDPWD/.venv/bin/python" -m smcspec $ARGS --out "$OUT/before$i")
-    .venv/bin/python -m smcspec $ARGS --out "$OUT/after$i"
-done
+scripts/bench_before_after "benchmarks/cpu/auto-lookup-humaneval/${SUB:-.}" $ARGS

@@ -4,10 +4,6 @@
 # alone on the machine: tokens identical run for run, tok/s within the runs' drift.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-BEFORE=${BEFORE:?a work tree of bdff633}
-ARGS="bench speed --methods ar sd msd --sd-k 4 --msd-n 2 --msd-k 4 --prompts 3 --max-new-tokens 64 --temperatures 0.7 --dtype int8"
-OUT=$PWD/benchmarks/cpu/refactor-39
-for i in 1 2; do
-    (cd "$BEFORE" && PYTHONPATH="$BEFORE" "$OLDPWD/.venv/bin/python" -m smcspec $ARGS --out "$OUT/before$i")
-    .venv/bin/python -m smcspec $ARGS --out "$OUT/after$i"
-done
+scripts/bench_before_after benchmarks/cpu/refactor-39 bench speed \
+    --methods ar sd msd --sd-k 4 --msd-n 2 --msd-k 4 \
+    --prompts 3 --max-new-tokens 64 --temperatures 0.7 --dtype int8

@@ -26,6 +26,8 @@ LOOKUP_NGRAM = 3
 LOOKUP_PROPOSALS = ("lookup", "lookup+draft")
 # positions measured before a tally prices lookup (`LookupTally.priced`): fewer say little
 LOOKUP_MIN_POSITIONS = 8
+# positions back at which a position's weight in the tally's estimate halves (`LookupTally`)
+LOOKUP_HALF_LIFE = 8.0
 
 
 def continuation(tokens: list[int], k: int, ngram: int = LOOKUP_NGRAM) -> list[int]:
@@ -72,15 +74,25 @@ class LookupTally:
     are committed; the latest ones, whose next tokens are only partly committed, count as
     open (`_open`): each depth j of `drafts_kept` also reads the open positions whose token
     i + j is committed, so the first rounds of a request are priced without waiting `most`
-    tokens for every position."""
+    tokens for every position.
+
+    The estimate weighs recent positions more: a position `half_life` positions before the
+    text's end counts half as much as the last (None: all alike). Text copies in stretches (a
+    signature, then new code), so the whole text's mean keeps pricing lookup long after the
+    copying stopped; the weighted mean estimates what a round from here on keeps."""
 
     start: int  # the first position measured: the prompt's length
     most: int  # the largest K priced
     ngram: int = LOOKUP_NGRAM
-    positions: int = 0
-    found: int = 0  # positions where the lookup proposed anything
-    # kept[j]: positions whose proposal the text matched for at least j + 1 tokens
-    kept: list[int] = field(default_factory=list)
+    half_life: float | None = LOOKUP_HALF_LIFE
+    positions: int = 0  # positions counted
+    # the counted positions' weights, each 0.5 ** ((last - at) / half_life) at the latest
+    # counted position `last` (the counts themselves with half_life None): all of them, ...
+    weight: float = 0.0
+    found: float = 0.0  # ... those where the lookup proposed anything, and per depth j ...
+    kept: list[float] = field(default_factory=list)  # ... those matched for >= j + 1 tokens
+    last: int = 0
+    _end: int = 0  # the text's length at the last update
     _next: int = -1
     _open: list[_Open] = field(default_factory=list)  # recounted at each update
     # per n: each n-gram's latest start indexed so far, and the next start to index
@@ -88,7 +100,13 @@ class LookupTally:
     _indexed: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.kept += [0] * (self.most - len(self.kept))
+        if self.half_life is not None and not self.half_life > 0:
+            raise ValueError(f"half_life must be > 0 or None, got {self.half_life}")
+        self.kept += [0.0] * (self.most - len(self.kept))
+
+    def _decay(self, positions: int) -> float:
+        """The weight of a position `positions` before another."""
+        return 1.0 if self.half_life is None else 0.5 ** (positions / self.half_life)
 
     def update(self, tokens: list[int]) -> None:
         """Count every position of `tokens` (the prompt and the text so far) not yet counted
@@ -106,13 +124,19 @@ class LookupTally:
                     break
                 held += 1
             if at + self.most <= len(tokens):
-                self.positions += 1
-                self.found += bool(proposed)
-                for j in range(held):
-                    self.kept[j] += 1
+                self._count(at, proposed, held)
             else:
                 self._open.append(_Open(at, proposed, held, len(tokens) - at))
         self._next = max(i, len(tokens))
+        self._end = max(self._end, len(tokens))
+
+    def _count(self, at: int, proposed: list[int], held: int) -> None:
+        """Count position `at`, whose next `most` tokens are committed."""
+        aged = self._decay(at - self.last)  # the earlier positions' weights, now older
+        self.positions, self.last = self.positions + 1, at
+        self.weight = self.weight * aged + 1
+        self.found = self.found * aged + bool(proposed)
+        self.kept = [kept * aged + (j < held) for j, kept in enumerate(self.kept)]
 
     def skip(self, length: int) -> None:
         """Count no position before `length`: text an approximate method committed, which is
@@ -148,16 +172,26 @@ class LookupTally:
     def drafts_kept(self, k: int) -> float:
         """Mean drafts a lookup round of K = k keeps: E[min(match, k)] = sum over j < k of
         P(match > j), each from the positions whose token i + j is committed (the counted
-        ones and the open ones that reach depth j); 0 before any position is measured."""
+        ones and the open ones that reach depth j), weighed by recency (`half_life`); 0 before
+        any position is measured."""
+        counted = self._decay(self._end - self.last)
+        weights = [self._decay(self._end - o.at) for o in self._open]
         total = 0.0
         for j in range(min(k, self.most)):
-            held = self.kept[j] + sum(o.held > j for o in self._open)
-            seen = self.positions + sum(o.seen > j for o in self._open)
+            held = counted * self.kept[j]
+            held += sum(w for w, o in zip(weights, self._open, strict=True) if o.held > j)
+            seen = counted * self.weight
+            seen += sum(w for w, o in zip(weights, self._open, strict=True) if o.seen > j)
             total += held / seen if seen else 0.0
         return total
 
     @property
     def found_rate(self) -> float:
-        """The share of measured positions where the lookup proposed anything (0 before any)."""
-        found = self.found + sum(bool(o.proposed) for o in self._open)
-        return found / self.measured if self.measured else 0.0
+        """The share of measured positions where the lookup proposed anything, weighed by
+        recency as `drafts_kept` is (0 before any)."""
+        counted = self._decay(self._end - self.last)
+        found, seen = counted * self.found, counted * self.weight
+        for o in self._open:
+            w = self._decay(self._end - o.at)
+            found, seen = found + w * bool(o.proposed), seen + w
+        return found / seen if seen else 0.0

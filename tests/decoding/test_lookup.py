@@ -101,17 +101,20 @@ def test_sds_new_settings_are_checked_at_their_bounds(given, field):
     assert err.value.field == field
 
 
-def test_the_tally_counts_what_continuation_proposes_at_every_position():
+@pytest.mark.parametrize("half_life", [None, 3.0], ids=["all alike", "recent first"])
+def test_the_tally_counts_what_continuation_proposes_at_every_position(half_life):
     """`LookupTally` indexes the n-grams as the text grows instead of rescanning it: the same
     proposals as `continuation` at every position, fed in pieces, on 300 random texts; and its
     estimate reads each depth j from every position whose token i + j is committed, the open
-    ones too. Failed on: an open position counted at depths its text has not reached."""
+    ones too, each weighed 0.5 ** ((len(text) - i) / half_life). Failed on: an open position
+    counted at depths its text has not reached; the counted positions aged from the text's
+    end twice (once at counting, once at reading)."""
     for seed in range(300):
         rng = random.Random(seed)
         size, vocab = rng.randint(2, 60), rng.randint(2, 6)
         tokens = [rng.randrange(vocab) for _ in range(size)]
         start, most, ngram = rng.randint(0, size - 1), rng.randint(1, 5), rng.randint(1, 4)
-        tally = LookupTally(start=start, most=most, ngram=ngram)
+        tally = LookupTally(start=start, most=most, ngram=ngram, half_life=half_life)
         for cut in [*sorted(rng.sample(range(1, size + 1), min(3, size))), size]:
             tally.update(tokens[:cut])
         positions = found = 0
@@ -123,18 +126,40 @@ def test_the_tally_counts_what_continuation_proposes_at_every_position():
                 if token != tokens[i + j]:
                     break
                 kept[j] += 1
-        assert (tally.positions, tally.found, tally.kept) == (positions, found, kept), seed
+        assert tally.positions == positions, seed
+        if half_life is None:
+            assert (tally.found, tally.kept) == (found, kept), seed
         # every depth j from the positions whose token i + j is committed, open ones included
-        held, seen = [0] * most, [0] * most
+        held, seen = [0.0] * most, [0.0] * most
+        proposing = 0.0
         for i in range(start, size):
+            w = 1.0 if half_life is None else 0.5 ** ((size - i) / half_life)
             proposed = continuation(tokens[:i], most, ngram)
+            proposing += w * bool(proposed)
             for j in range(min(most, size - i)):
-                seen[j] += 1
-                held[j] += proposed[: j + 1] == tokens[i : i + j + 1] and len(proposed) > j
+                seen[j] += w
+                held[j] += w * (proposed[: j + 1] == tokens[i : i + j + 1] and len(proposed) > j)
         for k in range(most + 1):
             want = sum(h / n for h, n in zip(held[:k], seen[:k], strict=True) if n)
             assert tally.drafts_kept(k) == pytest.approx(want), (seed, k)
+        assert tally.found_rate == pytest.approx(proposing / seen[0] if seen[0] else 0), seed
         assert tally.measured == max(0, size - start), seed
+
+
+def test_the_tally_forgets_a_stretch_the_text_no_longer_copies():
+    """A text that copies its prompt for 60 tokens, then writes 60 new ones: with recency
+    weighing the estimate at the end is near nothing (what a round there keeps), where the
+    whole-text mean still prices lookup at ~half the copy's K."""
+    prompt = list(range(100, 160))
+    text = prompt + prompt + list(range(200, 260))
+    recent = LookupTally(start=len(prompt), most=4)
+    alike = LookupTally(start=len(prompt), most=4, half_life=None)
+    for tally in (recent, alike):
+        tally.update(text)
+    assert recent.drafts_kept(4) < 0.1
+    assert 1.5 < alike.drafts_kept(4) < 2.5
+    with pytest.raises(ValueError, match="half_life"):
+        LookupTally(start=0, most=4, half_life=0)
 
 
 def test_a_fresh_tally_has_measured_nothing():

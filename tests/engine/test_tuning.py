@@ -387,8 +387,8 @@ PASSES = [
 
 def _tally(found: int, kept: list[int], positions: int = 100, most: int = 8) -> LookupTally:
     """A lookup tally as if `positions` committed positions had been counted."""
-    tally = LookupTally(start=0, most=most)
-    tally.positions, tally.found = positions, found
+    tally = LookupTally(start=0, most=most, half_life=None)
+    tally.positions, tally.weight, tally.found = positions, positions, found
     tally.kept = list(kept) + [0] * (most - len(kept))
     return tally
 

@@ -52,9 +52,10 @@ from smcspec.models import defaults
 LANES = 16  # outputs per block of the packed layout
 SUB = {4: 8, 8: 4}  # inputs per sub-block of 64 bytes, by bits per weight
 GROUPS = (32, 64, 128, 256)  # group sizes offered (the kernel takes any multiple of 8)
-# the products; the attention, whose rows do not depend on their pass (cpu_attention.cpp)
+# the products; the attention and the RMSNorms, whose rows do not depend on their pass
 _SOURCES = tuple(
-    Path(__file__).with_name("csrc") / f for f in ("cpu_linear.cpp", "cpu_attention.cpp")
+    Path(__file__).with_name("csrc") / f
+    for f in ("cpu_linear.cpp", "cpu_attention.cpp", "cpu_norm.cpp")
 )
 # by weight bits: the rows from which products run on AMX int8 tiles and on bf16 tiles, from
 # `scripts/cpu_kernels` on 2 Xeon cores at Qwen2.5-1.5B's shapes (benchmarks/cpu/amx/kernels.md):

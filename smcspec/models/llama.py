@@ -23,7 +23,6 @@ from smcspec.kv.cache import PagedKVCache
 from smcspec.models import cpu_linear, fused, prefill, weight_cache
 from smcspec.models.attention import ForwardBatch, GatherAttention, GatherPlan, for_feed
 from smcspec.models.attention import choose as choose_attention
-from smcspec.models.fused import rms_reference as _rms
 from smcspec.models.fused import rotate_reference as _rotate
 from smcspec.models.layers import cache_kind
 from smcspec.models.llama_config import LlamaConfig
@@ -34,6 +33,7 @@ from smcspec.models.llama_weights import (
     random_weights,
     read_safetensors,
 )
+from smcspec.models.norms import Norms
 from smcspec.models.rope_table import RopeTable
 from smcspec.sampling import to_device
 
@@ -103,6 +103,7 @@ class LlamaModel:
         self.embed_scale = torch.tensor(config.embed_scale, dtype=self.act_dtype)
         self.layers, self.lm_head = build.layers(weights)
         kernel = cpu_linear.KERNEL.get() if self._on_kernel() else None
+        self.norms = Norms(kernel)  # on the kernel with the products, as the attention
         if kernel is not None and config.head_dim % 16 == 0:
             # products on smcspec's kernel: its attention too, rows independent of their pass
             self._gather = GatherAttention(kernel.attend)
@@ -278,17 +279,18 @@ class LlamaModel:
         turns = self.rope(batch.positions)  # (cos, sin) [total, D] each
         local = turns if self.local_rope is None else self.local_rope(batch.positions)
         still = _no_turn(turns) if c.rotary else turns
+        norm = self.norms
         for i, layer in enumerate(self.layers):
             cos, sin = local if c.sliding and c.sliding[i] else turns
             if not c.rotates(i):
                 cos, sin = still
-            h = _norm(x, layer.input_norm, eps)
-            x = x + _norm(
+            h = norm(x, layer.input_norm, eps)
+            x = x + norm(
                 self._attention(layer, i, h, cos, sin, kv, batch), layer.attn_out_norm, eps
             )
-            h = _norm(x, layer.post_norm, eps)
+            h = norm(x, layer.post_norm, eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + _norm(layer.down(_act(gate, c.activation) * up), layer.mlp_out_norm, eps)
+            x = x + norm(layer.down(_act(gate, c.activation) * up), layer.mlp_out_norm, eps)
         return x
 
     def _embedded(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -325,7 +327,7 @@ class LlamaModel:
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Next-token logits [n, V] (in the weights' float type) of hidden states x [n, H]."""
-        norm = fused.rms_norm if self.fused else _rms
+        norm = fused.rms_norm if self.fused else self.norms.rms
         return self.lm_head(norm(x, self.norm, self.config.rms_eps))
 
     def forget_old_keys(self, kv: PagedKVCache, seqs: list[int], starts: list[int]) -> None:
@@ -363,18 +365,18 @@ class LlamaModel:
         cos, sin = self.rope(torch.zeros(1, dtype=torch.long))  # identity, times yarn's factor
         keys, values = [], []
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv.banded(_norm(x, layer.input_norm, c.rms_eps))
-            qkv = _head_norms(layer, qkv.view(1, nh + 2 * nkv, d), nh, nkv, c.rms_eps)
+            qkv = layer.qkv.banded(self.norms(x, layer.input_norm, c.rms_eps))
+            qkv = self.norms.heads(layer, qkv.view(1, nh + 2 * nkv, d), nh, nkv, c.rms_eps)
             _, k, v = qkv.split([nh, nkv, nkv], dim=1)  # k, v [1, nkv, d]
             keys.append(_rope(k, cos, sin)[0] if c.rotates(i) else k[0])
             values.append(v.view(nkv, d))
             attended = v.view(nkv, 1, d).expand(nkv, nh // nkv, d).reshape(1, nh * d)
-            x = x + _norm(layer.o.banded(attended), layer.attn_out_norm, c.rms_eps)
-            h = _norm(x, layer.post_norm, c.rms_eps)
+            x = x + self.norms(layer.o.banded(attended), layer.attn_out_norm, c.rms_eps)
+            h = self.norms(x, layer.post_norm, c.rms_eps)
             gate, up = layer.gate_up.banded(h).chunk(2, dim=-1)
             mlp = layer.down.banded(_act(gate, c.activation) * up)
-            x = x + _norm(mlp, layer.mlp_out_norm, c.rms_eps)
-        logits = self.lm_head.banded(_rms(x, self.norm, c.rms_eps))[0].float()
+            x = x + self.norms(mlp, layer.mlp_out_norm, c.rms_eps)
+        logits = self.lm_head.banded(self.norms.rms(x, self.norm, c.rms_eps))[0].float()
         return torch.stack(keys), torch.stack(values), logits
 
     def _attention(
@@ -389,7 +391,7 @@ class LlamaModel:
     ) -> torch.Tensor:
         c = self.config
         d, nh, nkv = c.head_dim, c.num_heads, c.num_kv_heads
-        qkv = _head_norms(layer, layer.qkv(h).view(-1, nh + 2 * nkv, d), nh, nkv, c.rms_eps)
+        qkv = self.norms.heads(layer, layer.qkv(h).view(-1, nh + 2 * nkv, d), nh, nkv, c.rms_eps)
         if self.fused:
             q = fused.rope_write(qkv, cos, sin, kv.k[index], kv.v[index], batch.slots, nh, nkv)
         else:
@@ -415,27 +417,6 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     if turned == x.shape[-1]:
         return _rotate(x, cos, sin)
     return torch.cat([_rotate(x[..., :turned], cos, sin), x[..., turned:]], dim=-1)
-
-
-def _head_norms(layer: Layer, qkv: torch.Tensor, nh: int, nkv: int, eps: float) -> torch.Tensor:
-    """qkv [total, nh + 2 nkv, d] with the layer's RMSNorm of q and of k applied (before RoPE)
-    over as much as its weight spans: each head's d (Qwen3's, Gemma's), or all of q's heads at
-    once and all of k's (OLMo 2's); as it is where the layer has none."""
-    if layer.q_norm is None:
-        return qkv
-    q, k = qkv[:, :nh], qkv[:, nh : nh + nkv]
-    if layer.q_norm.numel() != q.shape[-1]:  # over the whole projection
-        q = _rms(q.flatten(1), layer.q_norm, eps).view(q.shape)
-        k = _rms(k.flatten(1), layer.k_norm, eps).view(k.shape)
-    else:
-        q, k = _rms(q, layer.q_norm, eps), _rms(k, layer.k_norm, eps)
-    return torch.cat([q, k, qkv[:, nh + nkv :]], dim=1)
-
-
-def _norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """An RMSNorm the layer may lack: x itself where it has none (the norms of a block's output,
-    Gemma's and OLMo 2's; OLMo 2 has none before a block)."""
-    return x if weight is None else _rms(x, weight, eps)
 
 
 def _act(gate: torch.Tensor, activation: str) -> torch.Tensor:

@@ -911,6 +911,11 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
                      torch::Tensor row_seq, torch::Tensor positions, double scale,
                      int64_t window);
 
+// cpu_norm.cpp
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
+torch::Tensor head_norms(const torch::Tensor& qkv, const torch::Tensor& wq,
+                         const torch::Tensor& wk, int64_t nh, int64_t nkv, double eps);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "y [M, N] = x [M, K] W^T, W int4 or int8 per group (see the source)");
   m.def("isa", &isa, "the instruction set the kernel was built for");
@@ -922,4 +927,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "row's arithmetic fixed by the row alone (cpu_attention.cpp)", py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("key_slots"), py::arg("row_seq"), py::arg("positions"),
         py::arg("scale"), py::arg("window") = 0);
+  m.def("rms_norm", &rms_norm,
+        "RMSNorm of float32 x [..., H] times w [H], each row's sum in a fixed order "
+        "(cpu_norm.cpp)");
+  m.def("head_norms", &head_norms,
+        "qkv [T, nh + 2 nkv, d] with q's heads RMS-normed by wq [d] and k's by wk [d] "
+        "(cpu_norm.cpp)");
 }

@@ -123,7 +123,7 @@ READS: dict[tuple[str, str, str], tuple[str, str]] = {
             ("_stop", "int(tau)"),
         )
     },
-    ("lookup.py", "LookupTally.update", "bool(proposed)"): (HOST, "a list of token ids"),
+    ("lookup.py", "LookupTally._count", "bool(proposed)"): (HOST, "a list of token ids"),
     ("lookup.py", "LookupTally.found_rate", "bool(o.proposed)"): (HOST, "a list of token ids"),
     ("autoregressive.py", "AutoregressiveDecoder.draw", "int(token)"): (HOST, "read back above"),
     ("speculative.py", "SpeculativeDecoder._accept", "drafts.tolist()"): (HOST, "read back"),

@@ -174,8 +174,7 @@ class LookupTally:
         P(match > j), each from the positions whose token i + j is committed (the counted
         ones and the open ones that reach depth j), weighed by recency (`half_life`); 0 before
         any position is measured."""
-        counted = self._decay(self._end - self.last)
-        weights = [self._decay(self._end - o.at) for o in self._open]
+        counted, weights = self._recency()
         total = 0.0
         for j in range(min(k, self.most)):
             held = counted * self.kept[j]
@@ -189,9 +188,14 @@ class LookupTally:
     def found_rate(self) -> float:
         """The share of measured positions where the lookup proposed anything, weighed by
         recency as `drafts_kept` is (0 before any)."""
-        counted = self._decay(self._end - self.last)
+        counted, weights = self._recency()
         found, seen = counted * self.found, counted * self.weight
-        for o in self._open:
-            w = self._decay(self._end - o.at)
+        for w, o in zip(weights, self._open, strict=True):
             found, seen = found + w * bool(o.proposed), seen + w
         return found / seen if seen else 0.0
+
+    def _recency(self) -> tuple[float, list[float]]:
+        """Weights at the text's end: the factor of the counted sums (kept at `last`) and each
+        open position's weight."""
+        weights = [self._decay(self._end - o.at) for o in self._open]
+        return self._decay(self._end - self.last), weights

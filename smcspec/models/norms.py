@@ -12,16 +12,11 @@ result does not depend on the rows beside it, as the kernel's attention's does n
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Protocol
 
 import torch
 
 from smcspec.models.fused import rms_reference
-
-
-class _Normed(Protocol):
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
+from smcspec.models.llama_weights import Layer
 
 
 class Norms:
@@ -37,9 +32,7 @@ class Norms:
         block's output, Gemma's and OLMo 2's; OLMo 2 has none before a block)."""
         return x if weight is None else self.rms(x, weight, eps)
 
-    def heads(
-        self, layer: _Normed, qkv: torch.Tensor, nh: int, nkv: int, eps: float
-    ) -> torch.Tensor:
+    def heads(self, layer: Layer, qkv: torch.Tensor, nh: int, nkv: int, eps: float) -> torch.Tensor:
         """qkv [total, nh + 2 nkv, d] with the layer's RMSNorm of q and of k applied (before
         RoPE) over as much as its weight spans: each head's d (Qwen3's, Gemma's), or all of q's
         heads at once and all of k's (OLMo 2's); as it is where the layer has none."""
